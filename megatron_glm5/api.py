@@ -1,0 +1,67 @@
+"""User-facing entry points shared by tools, tests and notebooks.
+
+    model = from_hf_pretrained("/path/to/GLM-5.3", dtype=torch.bfloat16)
+    logits = model(input_ids)          # [batch, seq, vocab], same order as transformers' logits
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from megatron_glm5.config import GLM5Config
+from megatron_glm5.conversion.hf_mapping import conversion_plan, hf_to_mcore_tensor
+from megatron_glm5.conversion.safetensors_io import CheckpointError, HFCheckpointReader
+
+
+def from_hf_pretrained(path: str, dtype: torch.dtype = torch.float32, device: Optional[str] = None,
+                       mtp: Optional[bool] = None, **overrides):
+    """Load an HF GlmMoeDsa directory (config.json + safetensors, sharded or not) into a single-process model.
+
+    ``mtp``: also load the MTP layer (HF layer ``num_hidden_layers``); default: when the checkpoint has it.
+    ``overrides`` go to GLM5Config.to_transformer_config (e.g. dsa_backend="torch").
+    Tensors are read one group at a time; the model is returned in eval mode.
+    """
+    from megatron_glm5.model.model import build_model
+
+    cfg = GLM5Config.from_hf(path)
+    reader = HFCheckpointReader(path)
+    has_mtp = bool(cfg.num_nextn_predict_layers) and f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in reader
+    if mtp is None:
+        mtp = has_mtp
+    elif mtp and not has_mtp:
+        raise CheckpointError(f"{path}: mtp=True but the checkpoint has no MTP layer "
+                              f"(model.layers.{cfg.num_hidden_layers}.eh_proj.weight)")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    overrides.setdefault("params_dtype", dtype)
+    overrides.setdefault("use_cpu_initialization", device == "cpu")
+    overrides.setdefault("perform_initialization", False)
+    with torch.device(device):
+        model = build_model(cfg, mtp=mtp, **overrides)
+    load_hf_weights(model, reader, cfg, include_mtp=mtp)
+    return model.eval()
+
+
+def load_hf_weights(model, reader: HFCheckpointReader, cfg: GLM5Config, include_mtp: bool) -> None:
+    """Copy every tensor of the checkpoint into ``model`` (single stage) through the one conversion table."""
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    seen = set()
+    for row in conversion_plan(cfg, include_mtp=include_mtp):
+        if row.kind == "tied":
+            continue
+        if row.mcore not in params:
+            raise CheckpointError(f"model has no tensor {row.mcore} (conversion table and model disagree)")
+        target = params[row.mcore]
+        source = hf_to_mcore_tensor(row, [reader.get(k) for k in row.hf])
+        if tuple(source.shape) != tuple(target.shape):
+            raise CheckpointError(f"{reader.directory}: {row.hf[0]} gives shape {tuple(source.shape)} for "
+                                  f"{row.mcore}, expected {tuple(target.shape)} (config.json and weights disagree?)")
+        with torch.no_grad():
+            target.copy_(source.to(dtype=target.dtype))
+        seen.add(row.mcore)
+    missing = [n for n in params if n not in seen and n in dict(model.named_parameters())]
+    if missing:
+        raise CheckpointError(f"{len(missing)} model parameter(s) not covered by the checkpoint, e.g. {missing[0]}")

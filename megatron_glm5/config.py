@@ -1,0 +1,1122 @@
+"""GLM-5 model hyper-parameters: one dataclass with Hugging Face semantics, and its megatron-core mapping.
+
+:class:`GLM5Config` is the single source of model hyper-parameters in this project.  Its fields mirror
+``transformers.Gl  mMoeDsaConfig`` (the ``glm_moe_dsa`` model type), read from / written to a ``config.json`` with
+:meth:`GLM5Config.from_hf` / :meth:`GLM5Config.to_hf` (an exact round trip), and
+:meth:`GLM5Config.to_transformer_config` turns it into a megatron-core ``MLATransformerConfig`` subclass
+(:class:`GLM5TransformerConfig`, built lazily so that importing this module does not import megatron.core).
+
+Presets (``GLM5Config.from_preset(name)``)
+-----------------------------------------
+
+===================  ======  ======  ======  =====  ===========  ==========  =========  =================  ===============
+name                 vocab   hidden  layers  heads  experts      rope_theta  max_pos    indexers           params, no MTP
+===================  ======  ======  ======  =====  ===========  ==========  =========  =================  ===============
+``glm5``             154880  6144    78      64     256, top-8   1e6         202752     78 F               743,911,199,232
+``glm5.1``           = glm5
+``glm5.2``           154880  6144    78      64     256, top-8   8e6         1048576    21 F + 57 S        743,377,000,704
+``glm5.3``           = glm5.2
+``tiny``             512     64      4       4      8, top-2     1e4         4096       F F F F            322,944
+``tiny-indexshare``  512     64      4       4      8, top-2     1e4         4096       F S F S            316,224
+``tiny-groups``      512     64      4       4      8, top-2     1e4         4096       F F F F            322,944
+===================  ======  ======  ======  =====  ===========  ==========  =========  =================  ===============
+
+All real presets share: first 3 layers dense (intermediate 12288), q_lora_rank 2048, kv_lora_rank 512,
+qk_nope 192 + qk_rope 64, v_head_dim 256, 1 shared expert, moe_intermediate 2048, routed_scaling_factor 2.5,
+n_group 1 / topk_group 1, indexer 32 heads x 128 dims with index_topk 2048, rms_norm_eps 1e-5, untied lm_head,
+eos [154820, 154827, 154829], pad 154820.  GLM-5.2/5.3 add IndexShare (``index_topk_freq`` 4,
+``index_skip_topk  _offset`` 3: layers 0, 1, 2, 6, 10, ..., 74 are full), ``index_share_for_mtp_iteration`` true,
+``moe_router_dtyp  e`` "float32" and the misleading ``head_dim: 192`` key (kept in the emitted config.json, never
+used for a width).  The tiny presets: 4 layers (first 1 dense, intermediate 128), q_lora 32, kv_lora 16,
+qk_nope 16 + qk_rope 8, v 16, 8 experts top-2 (moe_intermediate 32, 1 shared expert), indexer 4 heads x 16 dims,
+index_topk 16, pad 0, 1 MTP layer; ``tiny-groups`` uses n_group 2 / topk_group 1 (group-limited routing),
+``tiny-indexshare  `` also sets index_share_for_mtp_iteration and moe_router_dtype float32 like GLM-5.2/5.3.
+
+Parameter counts
+----------------
+:meth:`GLM5Config.count_parameters` equals ``sum(p.numel() for p in GlmMoeDsaForCausalLM(cfg).parameters())``:
+the router's ``e_score_correction_bias`` is a *buffer* in transformers (megatron's ``router.expert_bias`` too)
+and is not counted unless ``include_buffers=True``.  ``include_mtp=True`` adds the MTP block(s): per MTP layer
+one full decoder layer (MoE MLP, with its own indexer), ``eh_proj`` [hidden, 2*hidden], ``enorm``, ``hnorm`` and
+``shared_head.nor  m``.  The MTP ``embed_tokens`` / ``shared_head.head`` are tied to the main embedding and output
+layer in megatron, so they are not counted (on disk they are stored again under ``model.layers.78.*``).
+For GLM-5.2/5.3 the MTP extra is 9,952,920,320 parameters.
+
+IndexShare
+----------
+``indexer_types[i  ]`` is ``"full"`` (layer i has its own indexer and computes the top-k) or ``"shared"`` (no indexer
+weights; reuses the top-k of the nearest earlier full layer, see :meth:`GLM5Config.index_source_layer`).
+:meth:`GLM5Config.from_hf` resolves it exactly like transformers: explicit ``indexer_types``, else
+``index_topk_patt  ern`` (an ``"F"``/``"S"`` string or a list), else layer i is full iff
+``max(i - index_s  kip_topk_offset + 1, 0) % index_topk_freq == 0`` (defaults 1 and 2: all full).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+# GLM5TransformerConfig is importable by name (module __getattr__) but kept out of __all__ so that
+# `from megatron_glm5.config import *` does not import megatron.core.
+__all__ = [
+    "ConfigError",
+    "GLM5Config",
+    "PRESETS",
+    "transformer_config_class",
+]
+
+MODEL_TYPE = "glm_moe_dsa"
+ARCHITECTURE = "GlmMoeDsaForCausalLM"
+_ACCEPTED_ARCHITECTURES = ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel")
+INDEXER_TYPES = ("full", "shared")
+MLP_LAYER_TYPES = ("dense", "sparse")
+DSA_STAGES = ("sparse", "dense-warmup")
+
+
+class ConfigError(ValueError):
+    """An invalid GLM-5 configuration.  ``field`` names the offending field (when there is one)."""
+
+    def __init__(self, message: str, field: Optional[str] = None):
+        super().__init__(message)
+        self.field = field
+
+
+# --------------------------------------------------------------------------------------------------------------
+# HF config.json <-> fields
+# --------------------------------------------------------------------------------------------------------------
+
+# Defaults used for keys missing from a config.json; they are transformers' GlmMoeDsaConfig defaults (so that a
+# partial config resolves to what transformers would build), plus the GLM-specific keys transformers does not
+# model (num_nextn_predict_layers, index_share_for_mtp_iteration, moe_router_dtype): absent means off.
+_HF_DEFAULTS: Dict[str, Any] = dict(
+    vocab_size=154880,
+    hidden_size=6144,
+    intermediate_size=12288,
+    moe_intermediate_size=2048,
+    num_hidden_layers=78,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=2048,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    qk_nope_head_dim=192,
+    n_group=1,
+    topk_group=1,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    hidden_act="silu",
+    max_position_embeddings=202752,
+    initializer_range=0.02,
+    rms_norm_eps=1e-5,
+    pad_token_id=None,
+    bos_token_id=0,
+    eos_token_id=1,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    attention_dropout=0.0,
+    index_topk=2048,
+    index_head_dim=128,
+    index_n_heads=32,
+    first_k_dense_replace=3,
+    num_nextn_predict_layers=0,
+    index_share_for_mtp_iteration=False,
+    moe_router_dtype=None,
+)
+_DEFAULT_ROPE_THETA = 10000.0
+
+# Fields stored under the same key in config.json (everything except rope_theta and the two per-layer lists).
+_SIMPLE_KEYS: Tuple[str, ...] = tuple(_HF_DEFAULTS)
+
+# Integer sizes that must be > 0 (index_topk included: a top-k of 0 selects nothing).
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "n_routed_experts", "kv_lora_rank", "q_lora_rank",
+    "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
+    "max_position_embeddings", "index_topk", "index_head_dim", "index_n_heads",
+)
+_NON_NEGATIVE_INTS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _freq_offset_indexer_types(num_layers: int, freq: Any, offset: Any) -> List[str]:
+    """transformers' schedule: layer i is full iff max(i - offset + 1, 0) % freq == 0."""
+    freq = 1 if freq is None else freq
+    offset = 2 if offset is None else offset
+    if not _is_int(freq) or not _is_int(offset):
+        raise ConfigError(
+            f"index_topk_freq / index_skip_topk_offset must be integers, got {freq!r} / {offset!r}",
+            field="index_topk_freq",
+        )
+    freq = max(freq, 1)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+
+
+def _pattern_indexer_types(pattern: Any) -> List[str]:
+    if isinstance(pattern, str):
+        table = {"F": "full", "S": "shared"}
+        bad = sorted({c for c in pattern if c not in table})
+        if bad:
+            raise ConfigError(
+                f"index_topk_pattern may only hold 'F' and 'S', found {', '.join(map(repr, bad))}",
+                field="index_topk_pattern",
+            )
+        return [table[c] for c in pattern]
+    if isinstance(pattern, (list, tuple)):
+        return list(pattern)
+    raise ConfigError(
+        f"index_topk_pattern must be a string of F/S or a list, got {type(pattern).__name__}",
+        field="index_topk_pattern",
+    )
+
+
+def _resolve_indexer_types(d: Mapping[str, Any], num_layers: int) -> List[str]:
+    """Per-layer indexer types from a config.json dict, in transformers' order of precedence."""
+    explicit = d.get("indexer_types")
+    if explicit is not None:
+        if not isinstance(explicit, (list, tuple)):
+            raise ConfigError(
+                f"indexer_types must be a list, got {type(explicit).__name__}", field="indexer_types"
+            )
+        return list(explicit)
+    pattern = d.get("index_topk_pattern")
+    if pattern is not None:
+        return _pattern_indexer_types(pattern)
+    return _freq_offset_indexer_types(num_layers, d.get("index_topk_freq"), d.get("index_skip_topk_offset"))
+
+
+def _dense_first_mlp_types(num_layers: int, first_k_dense: int) -> List[str]:
+    n_dense = min(max(first_k_dense, 0), num_layers) if _is_int(first_k_dense) else 0
+    return ["dense"] * n_dense + ["sparse"] * (num_layers - n_dense)
+
+
+def _check_identity(d: Mapping[str, Any], src: str) -> None:
+    mt = d.get("model_type")
+    if mt is not None and mt != MODEL_TYPE:
+        raise ConfigError(f"{src}: model_type is {mt!r}, expected {MODEL_TYPE!r}", field="model_type")
+    archs = d.get("architectures")
+    if archs:
+        archs = [archs] if isinstance(archs, str) else list(archs)
+        bad = [a for a in archs if a not in _ACCEPTED_ARCHITECTURES]
+        if bad:
+            raise ConfigError(
+                f"{src}: architectures {archs!r} is not {ARCHITECTURE!r}", field="architectures"
+            )
+
+
+def _fields_from_hf_dict(d: Mapping[str, Any], src: str) -> Dict[str, Any]:
+    """Map a config.json dict to GLM5Config constructor arguments (without validation of values)."""
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{src}: a config must be a JSON object, got {type(d).__name__}")
+    _check_identity(d, src)
+    out: Dict[str, Any] = {}
+    for key in _SIMPLE_KEYS:
+        out[key] = copy.deepcopy(d.get(key, _HF_DEFAULTS[key]))
+    # Backward-compatible aliases transformers honours (num_experts wins, as in GlmMoeDsaConfig.__post_init__).
+    if d.get("num_local_experts") is not None:
+        out["n_routed_experts"] = d["num_local_experts"]
+    if d.get("num_experts") is not None:
+        out["n_routed_experts"] = d["num_experts"]
+
+    rp = d.get("rope_parameters")
+    if rp is not None and not isinstance(rp, Mapping):
+        raise ConfigError(f"{src}: rope_parameters must be an object", field="rope_parameters")
+    rope_type = (rp or {}).get("rope_type", "default")
+    if rope_type not in (None, "default"):
+        raise ConfigError(
+            f"{src}: rope_parameters.rope_type {rope_type!r} is not supported (GLM-5 uses plain RoPE)",
+            field="rope_parameters",
+        )
+    if d.get("rope_scaling"):
+        raise ConfigError(f"{src}: rope_scaling is not supported (GLM-5 uses plain RoPE)", field="rope_scaling")
+    if rp is not None and rp.get("rope_theta") is not None:
+        out["rope_theta"] = rp["rope_theta"]
+    elif d.get("rope_theta") is not None:
+        out["rope_theta"] = d["rope_theta"]
+    else:
+        out["rope_theta"] = _DEFAULT_ROPE_THETA
+
+    try:
+        out["indexer_types"] = _resolve_indexer_types(d, out["num_hidden_layers"])
+    except ConfigError as e:
+        raise ConfigError(f"{src}: {e}", field=e.field) from None
+    mlp = d.get("mlp_layer_types")
+    out["mlp_layer_types"] = list(mlp) if isinstance(mlp, (list, tuple)) else mlp
+    # NOTE: the `head_dim` key is deliberately ignored (GLM-5.2/5.3 carry head_dim 192, not a real width).
+    return out
+
+
+def _load_hf_dict(src: Any) -> Tuple[dict, str]:
+    if isinstance(src, Mapping):
+        return dict(src), "<dict>"
+    if hasattr(src, "to_dict") and not isinstance(src, (str, bytes, os.PathLike)):
+        return src.to_dict(), f"<{type(src).__name__}>"
+    if isinstance(src, (str, os.PathLike)):
+        path = os.fspath(src)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                d = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: a config must be a JSON object, got {type(d).__name__}")
+        return d, path
+    raise TypeError(f"from_hf expects a directory, a json file path or a dict, got {type(src).__name__}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GLM5Config
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GLM5Config:
+    """GLM-5 family hyper-parameters, with transformers' ``GlmMoeDsaConfig`` semantics.
+
+    Defaults equal transformers' defaults, so ``GLM5Config(**kw)`` resolves like ``GlmMoeDsaConfig(**kw)``.
+    ``mlp_layer_types=None`` derives ``first_k_dense_replace`` dense layers then MoE; ``indexer_types=None`` means
+    every layer has its own indexer.  ``raw`` is the config.json dict this config was read from (``None`` when
+    constructed directly); :meth:`to_hf` uses it as a base and writes back only what the fields changed.
+    Use :meth:`replace` (rather than ``dataclasses.replace``) to change ``num_hidden_layers`` /
+    ``first_k_dense_replace``: it re-derives the per-layer lists.
+    """
+
+    vocab_size: int = 154880
+    hidden_size: int = 6144
+    intermediate_size: int = 12288
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 78
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 64
+    n_shared_experts: int = 1
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 2.5
+    kv_lora_rank: int = 512
+    q_lora_rank: int = 2048
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    qk_nope_head_dim: int = 192
+    n_group: int = 1
+    topk_group: int = 1
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = True
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 202752
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    pad_token_id: Optional[int] = None
+    bos_token_id: Optional[int] = 0
+    eos_token_id: Union[int, List[int], None] = 1
+    tie_word_embeddings: bool = False
+    rope_theta: float = _DEFAULT_ROPE_THETA
+    attention_bias: bool = False
+    attention_dropout: float = 0.0
+    index_topk: int = 2048
+    index_head_dim: int = 128
+    index_n_heads: int = 32
+    first_k_dense_replace: int = 3
+    mlp_layer_types: Optional[List[str]] = None
+    indexer_types: Optional[List[str]] = None
+    num_nextn_predict_layers: int = 0
+    index_share_for_mtp_iteration: bool = False
+    moe_router_dtype: Optional[str] = None
+    raw: Optional[Dict[str, Any]] = field(default=None, repr=False, compare=False)
+
+    # ---------------------------------------------------------------- construction
+    def __post_init__(self) -> None:
+        if self.mlp_layer_types is None:
+            self.mlp_layer_types = _dense_first_mlp_types(self.num_hidden_layers, self.first_k_dense_replace) \
+                if _is_int(self.num_hidden_layers) and self.num_hidden_layers > 0 else []
+        else:
+            self.mlp_layer_types = list(self.mlp_layer_types)
+        if self.indexer_types is None:
+            n = self.num_hidden_layers if _is_int(self.num_hidden_layers) and self.num_hidden_layers > 0 else 0
+            self.indexer_types = ["full"] * n
+        else:
+            self.indexer_types = list(self.indexer_types)
+        if isinstance(self.eos_token_id, tuple):
+            self.eos_token_id = list(self.eos_token_id)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` (naming the field) when the configuration is inconsistent."""
+        for name in _POSITIVE_INTS:
+            v = getattr(self, name)
+            if not _is_int(v) or v <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}", field=name)
+        for name in _NON_NEGATIVE_INTS:
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                raise ConfigError(f"{name} must be a non-negative integer, got {v!r}", field=name)
+        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
+            v = getattr(self, name)
+            if not _is_number(v) or v <= 0:
+                raise ConfigError(f"{name} must be a positive number, got {v!r}", field=name)
+        for name in ("initializer_range", "attention_dropout"):
+            v = getattr(self, name)
+            if not _is_number(v) or v < 0:
+                raise ConfigError(f"{name} must be a non-negative number, got {v!r}", field=name)
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(
+                f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}",
+                field="qk_rope_head_dim",
+            )
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ConfigError(
+                f"index_head_dim ({self.index_head_dim}) must be >= qk_rope_head_dim ({self.qk_rope_head_dim}): "
+                "RoPE covers the first qk_rope_head_dim dims of the indexer head",
+                field="index_head_dim",
+            )
+        # MoE routing.
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= n_routed_experts "
+                f"({self.n_routed_experts})",
+                field="num_experts_per_tok",
+            )
+        if self.n_routed_experts % self.n_group:
+            raise ConfigError(
+                f"n_routed_experts ({self.n_routed_experts}) must be divisible by n_group ({self.n_group})",
+                field="n_group",
+            )
+        if self.topk_group > self.n_group:
+            raise ConfigError(
+                f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})", field="topk_group"
+            )
+        per_group = self.n_routed_experts // self.n_group
+        if per_group < 2:
+            raise ConfigError(
+                f"n_routed_experts / n_group must be >= 2 (a group is scored by its top-2 experts), "
+                f"got {self.n_routed_experts} / {self.n_group}",
+                field="n_group",
+            )
+        if self.num_experts_per_tok > self.topk_group * per_group:
+            raise ConfigError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of the topk_group "
+                f"({self.topk_group}) selected groups ({self.topk_group * per_group})",
+                field="num_experts_per_tok",
+            )
+        if self.moe_router_dtype not in (None, "float32", "fp32", "float64", "fp64"):
+            raise ConfigError(
+                f"moe_router_dtype must be float32 or float64, got {self.moe_router_dtype!r}",
+                field="moe_router_dtype",
+            )
+        # Per-layer lists.
+        n = self.num_hidden_layers
+        if len(self.mlp_layer_types) != n:
+            raise ConfigError(
+                f"len(mlp_layer_types) is {len(self.mlp_layer_types)}, num_hidden_layers is {n}",
+                field="mlp_layer_types",
+            )
+        bad = sorted({t for t in self.mlp_layer_types if t not in MLP_LAYER_TYPES}, key=str)
+        if bad:
+            raise ConfigError(
+                f"mlp_layer_types: unknown type(s) {', '.join(map(repr, bad))} (expected 'dense' or 'sparse')",
+                field="mlp_layer_types",
+            )
+        if len(self.indexer_types) != n:
+            raise ConfigError(
+                f"len(indexer_types) is {len(self.indexer_types)}, num_hidden_layers is {n}",
+                field="indexer_types",
+            )
+        bad = sorted({t for t in self.indexer_types if t not in INDEXER_TYPES}, key=str)
+        if bad:
+            raise ConfigError(
+                f"indexer_types: unknown indexer type(s) {', '.join(map(repr, bad))} (expected 'full' or 'shared')",
+                field="indexer_types",
+            )
+        if self.indexer_types[0] != "full":
+            raise ConfigError(
+                "indexer_types: layer 0 is 'shared' but there is no earlier full layer to share the top-k of",
+                field="indexer_types",
+            )
+        if self.pad_token_id is not None and not (_is_int(self.pad_token_id) and 0 <= self.pad_token_id < self.vocab_size):
+            raise ConfigError(
+                f"pad_token_id ({self.pad_token_id!r}) must be None or in [0, vocab_size={self.vocab_size})",
+                field="pad_token_id",
+            )
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act must be 'silu', got {self.hidden_act!r}", field="hidden_act")
+
+    @classmethod
+    def from_hf(cls, src: Union[str, os.PathLike, Mapping[str, Any], Any]) -> "GLM5Config":
+        """Read a GlmMoeDsa config: a directory holding config.json, a json file, a dict or a PretrainedConfig."""
+        d, name = _load_hf_dict(src)
+        fields = _fields_from_hf_dict(d, name)
+        try:
+            return cls(**fields, raw=copy.deepcopy(d))
+        except ConfigError as e:
+            raise ConfigError(f"{name}: {e}", field=e.field) from None
+
+    @classmethod
+    def from_preset(cls, name: str) -> "GLM5Config":
+        """One of :data:`PRESETS` (see the module docstring's table)."""
+        if name not in _PRESET_BUILDERS:
+            raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}", field="preset")
+        return cls.from_hf(_PRESET_BUILDERS[name]())
+
+    def replace(self, **changes: Any) -> "GLM5Config":
+        """``dataclasses.replace`` that re-derives ``mlp_layer_types`` / ``indexer_types`` when the layer count
+        (or ``first_k_dense_replace``) changes and the list is not given explicitly."""
+        n_new = changes.get("num_hidden_layers", self.num_hidden_layers)
+        if ("num_hidden_layers" in changes or "first_k_dense_replace" in changes) and "mlp_layer_types" not in changes:
+            changes["mlp_layer_types"] = None
+        if "num_hidden_layers" in changes and "indexer_types" not in changes:
+            changes["indexer_types"] = self._indexer_schedule(n_new)
+        return dataclasses.replace(self, **changes)
+
+    def _indexer_schedule(self, n: int) -> List[str]:
+        raw = self.raw or {}
+        if "index_topk_freq" in raw or "index_skip_topk_offset" in raw:
+            sched = _freq_offset_indexer_types(n, raw.get("index_topk_freq"), raw.get("index_skip_topk_offset"))
+            if sched[: self.num_hidden_layers] == self.indexer_types[:n]:
+                return sched
+        if all(t == "full" for t in self.indexer_types):
+            return ["full"] * n
+        if n <= len(self.indexer_types):
+            return list(self.indexer_types[:n])
+        raise ConfigError(
+            f"cannot extend indexer_types from {self.num_hidden_layers} to {n} layers; pass indexer_types",
+            field="indexer_types",
+        )
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(1 for t in self.mlp_layer_types if t == "sparse")
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_hidden_layers - self.num_moe_layers
+
+    @property
+    def full_layers(self) -> List[int]:
+        return [i for i, t in enumerate(self.indexer_types) if t == "full"]
+
+    @property
+    def shared_layers(self) -> List[int]:
+        return [i for i, t in enumerate(self.indexer_types) if t == "shared"]
+
+    def _check_layer(self, i: int) -> None:
+        if not _is_int(i) or not 0 <= i < self.num_hidden_layers:
+            raise IndexError(f"layer {i!r} out of range [0, {self.num_hidden_layers})")
+
+    def index_source_layer(self, i: int) -> int:
+        """0-based index of the layer whose top-k layer ``i`` uses: the nearest full layer <= i."""
+        self._check_layer(i)
+        for j in range(i, -1, -1):
+            if self.indexer_types[j] == "full":
+                return j
+        raise ConfigError(f"layer {i} is 'shared' but no earlier layer is 'full'", field="indexer_types")
+
+    def is_moe_layer(self, i: int) -> bool:
+        self._check_layer(i)
+        return self.mlp_layer_types[i] == "sparse"
+
+    def is_full_indexer_layer(self, i: int) -> bool:
+        self._check_layer(i)
+        return self.indexer_types[i] == "full"
+
+    # ---------------------------------------------------------------- HF export
+    def _hf_value(self, key: str) -> Any:
+        return copy.deepcopy(getattr(self, key))
+
+    def _full_hf_dict(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
+        for key in _SIMPLE_KEYS:
+            v = self._hf_value(key)
+            if key == "moe_router_dtype" and v is None:
+                continue
+            d[key] = v
+        d["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        d["indexer_types"] = list(self.indexer_types)
+        if self.mlp_layer_types != _dense_first_mlp_types(self.num_hidden_layers, self.first_k_dense_replace):
+            d["mlp_layer_types"] = list(self.mlp_layer_types)
+        d["qk_head_dim"] = self.qk_head_dim
+        d.update(dtype="bfloat16", use_cache=True, scoring_func="sigmoid", topk_method="noaux_tc")
+        return dict(sorted(d.items()))
+
+    def to_hf(self) -> Dict[str, Any]:
+        """The config.json dict.  Exact inverse of :meth:`from_hf` for an unchanged config; fields that were
+        changed after loading are written back (in the source's own encoding where possible)."""
+        if self.raw is None:
+            return self._full_hf_dict()
+        out = copy.deepcopy(self.raw)
+        try:
+            base = GLM5Config(**_fields_from_hf_dict(self.raw, "<raw>"))
+        except (ConfigError, TypeError):
+            base = None
+        n = self.num_hidden_layers
+
+        for key in _SIMPLE_KEYS:
+            v = getattr(self, key)
+            if base is not None and getattr(base, key) == v:
+                continue  # unchanged: keep the source's spelling (or absence) of the key
+            if key == "moe_router_dtype" and v is None:
+                out.pop(key, None)
+                continue
+            out[key] = copy.deepcopy(v)
+            if key == "n_routed_experts":
+                out.pop("num_experts", None)
+                out.pop("num_local_experts", None)
+
+        if base is None or base.rope_theta != self.rope_theta:
+            rp = out.get("rope_parameters")
+            wrote = False
+            if isinstance(rp, dict):
+                rp["rope_theta"] = self.rope_theta
+                wrote = True
+            if "rope_theta" in out:
+                out["rope_theta"] = self.rope_theta
+                wrote = True
+            if not wrote:
+                out["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default"}
+
+        # mlp_layer_types: authoritative; write explicitly only when the stored encoding does not reproduce it.
+        if out.get("mlp_layer_types") is not None:
+            if list(out["mlp_layer_types"]) != self.mlp_layer_types:
+                out["mlp_layer_types"] = list(self.mlp_layer_types)
+        elif _dense_first_mlp_types(n, out.get("first_k_dense_replace", 3)) != self.mlp_layer_types:
+            out["mlp_layer_types"] = list(self.mlp_layer_types)
+
+        # indexer_types: keep the source's encoding (explicit list / pattern / freq+offset) when it still holds.
+        target = list(self.indexer_types)
+        if _safe_resolve(out, n) != target:
+            if out.get("indexer_types") is None and out.get("index_topk_pattern") is not None:
+                p = out["index_topk_pattern"]
+                out["index_topk_pattern"] = (
+                    "".join("F" if t == "full" else "S" for t in target) if isinstance(p, str) else target
+                )
+            else:
+                out["indexer_types"] = target
+            # Lower-precedence encodings that now disagree would mislead other readers: drop them.
+            if out.get("indexer_types") is not None:
+                p = out.get("index_topk_pattern")
+                if p is not None and _safe(lambda: _pattern_indexer_types(p)) != target:
+                    out["index_topk_pattern"] = None
+            if out.get("indexer_types") is not None or out.get("index_topk_pattern") is not None:
+                if ("index_topk_freq" in out or "index_skip_topk_offset" in out) and _safe(
+                    lambda: _freq_offset_indexer_types(n, out.get("index_topk_freq"), out.get("index_skip_topk_offset"))
+                ) != target:
+                    out.pop("index_topk_freq", None)
+                    out.pop("index_skip_topk_offset", None)
+
+        # Keys transformers writes that are derived from the fields.
+        if isinstance(out.get("layer_types"), list) and len(out["layer_types"]) != n:
+            out["layer_types"] = ["indexed_attention"] * n
+        if "qk_head_dim" in out and out["qk_head_dim"] != self.qk_head_dim:
+            out["qk_head_dim"] = self.qk_head_dim
+        if base is not None and "head_dim" in out and out["head_dim"] == base.qk_rope_head_dim:
+            out["head_dim"] = self.qk_rope_head_dim  # transformers-saved style (head_dim := qk_rope_head_dim)
+        return out
+
+    def save_hf(self, path: Union[str, os.PathLike]) -> str:
+        """Write :meth:`to_hf` as ``config.json`` (``path`` a directory or a .json file); returns the file."""
+        path = os.fspath(path)
+        if os.path.isdir(path) or not path.endswith(".json"):
+            os.makedirs(path, exist_ok=True)
+            path = os.path.join(path, "config.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_hf(), f, indent=2, sort_keys=True)
+            f.write("\n")
+        return path
+
+    # ---------------------------------------------------------------- parameter counts
+    def attention_parameters(self, full_indexer: bool = True) -> int:
+        """Parameters of one layer's MLA attention (plus its DSA indexer when ``full_indexer``)."""
+        h, nh = self.hidden_size, self.num_attention_heads
+        qlr, kvlr, rope = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim
+        n = (
+            h * qlr + qlr  # q_a_proj, q_a_layernorm
+            + qlr * nh * self.qk_head_dim  # q_b_proj
+            + h * (kvlr + rope) + kvlr  # kv_a_proj_with_mqa, kv_a_layernorm
+            + kvlr * nh * (self.qk_nope_head_dim + self.v_head_dim)  # kv_b_proj
+            + nh * self.v_head_dim * h  # o_proj
+        )
+        if self.attention_bias:
+            n += qlr + (kvlr + rope) + h
+        if full_indexer:
+            n += self.indexer_parameters()
+        return n
+
+    def indexer_parameters(self) -> int:
+        """wq_b + wk + k_norm (LayerNorm weight and bias) + weights_proj."""
+        h, ih, idim = self.hidden_size, self.index_n_heads, self.index_head_dim
+        return self.q_lora_rank * ih * idim + h * idim + 2 * idim + h * ih
+
+    def mlp_parameters(self, moe: bool, include_buffers: bool = False) -> int:
+        h = self.hidden_size
+        if not moe:
+            return 3 * h * self.intermediate_size
+        e, mi = self.n_routed_experts, self.moe_intermediate_size
+        n = e * 3 * h * mi + e * h + 3 * h * mi * self.n_shared_experts  # experts, router weight, shared expert
+        if include_buffers:
+            n += e  # e_score_correction_bias (a buffer)
+        return n
+
+    def layer_parameters(self, i: int, include_buffers: bool = False) -> int:
+        self._check_layer(i)
+        return (
+            self.attention_parameters(self.indexer_types[i] == "full")
+            + self.mlp_parameters(self.mlp_layer_types[i] == "sparse", include_buffers)
+            + 2 * self.hidden_size  # input_layernorm, post_attention_layernorm
+        )
+
+    def mtp_parameters(self, include_buffers: bool = False) -> int:
+        """Extra parameters of the MTP block(s), without the (tied) embedding and output head."""
+        h = self.hidden_size
+        per_layer = (
+            self.attention_parameters(True)
+            + self.mlp_parameters(True, include_buffers)
+            + 2 * h  # the decoder layer's two norms
+            + 2 * h * h  # eh_proj
+            + 3 * h  # enorm, hnorm, shared_head.norm
+        )
+        return self.num_nextn_predict_layers * per_layer
+
+    def count_parameters(self, include_mtp: bool = False, include_buffers: bool = False) -> int:
+        """Exact parameter count, equal to ``sum(p.numel() for p in GlmMoeDsaForCausalLM(cfg).parameters())``
+        (the MoE ``e_score_correction_bias`` is a buffer; ``include_buffers`` adds it).  ``include_mtp`` adds
+        :meth:`mtp_parameters`."""
+        h, v = self.hidden_size, self.vocab_size
+        n = v * h + h  # embed_tokens, final norm
+        if not self.tie_word_embeddings:
+            n += v * h  # lm_head
+        n += sum(self.layer_parameters(i, include_buffers) for i in range(self.num_hidden_layers))
+        if include_mtp:
+            n += self.mtp_parameters(include_buffers)
+        return n
+
+    # ---------------------------------------------------------------- parallel layout
+    def validate_layout(
+        self,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        etp: Optional[int] = None,
+        cp: int = 1,
+        seq_length: Optional[int] = None,
+    ) -> None:
+        """Raise :class:`ConfigError` naming the flag and the model field it fails to divide."""
+        etp_eff = tp if etp is None else etp
+        for flag, v in (("--tp", tp), ("--pp", pp), ("--ep", ep), ("--etp", etp_eff), ("--cp", cp)):
+            if not _is_int(v) or v < 1:
+                raise ConfigError(f"{flag} must be a positive integer, got {v!r}", field=flag)
+        checks = [
+            ("--tp", tp, "num_attention_heads", self.num_attention_heads),
+            ("--tp", tp, "intermediate_size", self.intermediate_size),
+            ("--tp", tp, "moe_intermediate_size * n_shared_experts",
+             self.moe_intermediate_size * self.n_shared_experts),
+            ("--ep", ep, "n_routed_experts", self.n_routed_experts),
+            ("--etp", etp_eff, "moe_intermediate_size", self.moe_intermediate_size),
+            ("--pp", pp, "num_hidden_layers", self.num_hidden_layers),
+        ]
+        for flag, v, name, value in checks:
+            if value % v:
+                raise ConfigError(f"{flag} {v} does not divide {name} {value}", field=name)
+        if seq_length is not None:
+            if not _is_int(seq_length) or seq_length < 1:
+                raise ConfigError(f"--seq-length must be a positive integer, got {seq_length!r}", field="seq_length")
+            if cp > 1 and seq_length % (2 * cp):
+                raise ConfigError(
+                    f"--seq-length {seq_length} is not divisible by 2 * --cp = {2 * cp} "
+                    "(load-balanced context-parallel split)",
+                    field="seq_length",
+                )
+
+    # ---------------------------------------------------------------- megatron
+    def to_transformer_config(self, **overrides: Any):
+        """The megatron-core :class:`GLM5TransformerConfig` for this model; ``overrides`` (parallel sizes,
+        dtypes, any field) are applied last.  ``pipeline_dtype`` follows ``params_dtype`` unless overridden."""
+        import torch
+
+        cls = transformer_config_class()
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(k for k in overrides if k not in known)
+        if unknown:
+            raise ConfigError(
+                f"unknown GLM5TransformerConfig override(s): {', '.join(unknown)}", field=unknown[0]
+            )
+        ep = overrides.get("expert_model_parallel_size", 1) or 1
+        if self.n_routed_experts % ep:
+            raise ConfigError(f"--ep {ep} does not divide n_routed_experts {self.n_routed_experts}",
+                              field="n_routed_experts")
+        if self.attention_bias:
+            raise ConfigError("attention_bias=True has no megatron mapping here (GLM-5 has no attention bias)",
+                              field="attention_bias")
+        grouped = self.n_group > 1
+        kw: Dict[str, Any] = dict(
+            num_layers=self.num_hidden_layers,
+            hidden_size=self.hidden_size,
+            ffn_hidden_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            multi_latent_attention=True,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_head_dim=self.qk_nope_head_dim,
+            qk_pos_emb_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+            qk_layernorm=True,
+            rope_type="rope",
+            rotary_base=float(self.rope_theta),
+            rotary_scaling_factor=1.0,
+            normalization="RMSNorm",
+            layernorm_epsilon=self.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            add_bias_linear=False,
+            add_qkv_bias=False,
+            hidden_dropout=0.0,
+            attention_dropout=float(self.attention_dropout),
+            init_method_std=self.initializer_range,
+            num_moe_experts=self.n_routed_experts,
+            moe_router_topk=self.num_experts_per_tok,
+            moe_ffn_hidden_size=self.moe_intermediate_size,
+            moe_shared_expert_intermediate_size=(self.moe_intermediate_size * self.n_shared_experts) or None,
+            moe_layer_freq=[1 if t == "sparse" else 0 for t in self.mlp_layer_types],
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=1e-3,
+            moe_router_topk_scaling_factor=float(self.routed_scaling_factor),
+            moe_router_num_groups=self.n_group if grouped else None,
+            moe_router_group_topk=self.topk_group if grouped else None,
+            moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_norm_topk_prob=bool(self.norm_topk_prob),
+            mtp_num_layers=self.num_nextn_predict_layers or None,
+            mtp_loss_scaling_factor=0.1,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            masked_softmax_fusion=False,
+            gradient_accumulation_fusion=False,
+            persist_layer_norm=False,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            params_dtype=torch.float32,
+            bf16=False,
+            vocab_size=self.vocab_size,
+            pad_token_id=self.pad_token_id,
+            dsa_index_n_heads=self.index_n_heads,
+            dsa_index_head_dim=self.index_head_dim,
+            dsa_index_topk=self.index_topk,
+            dsa_indexer_types=tuple(self.indexer_types),
+            dsa_mtp_indexer_shared=bool(self.index_share_for_mtp_iteration),
+        )
+        if self.moe_router_dtype in ("float64", "fp64"):
+            kw["moe_router_dtype"] = "fp64"
+        kw.update(overrides)
+        if "pipeline_dtype" not in overrides:
+            kw["pipeline_dtype"] = kw["params_dtype"]
+        try:
+            return cls(**kw)
+        except ConfigError:
+            raise
+        except (ValueError, AssertionError, NotImplementedError) as e:
+            raise ConfigError(f"megatron TransformerConfig rejected the GLM-5 config: {e}") from e
+
+
+def _safe(fn):
+    try:
+        return fn()
+    except ConfigError:
+        return None
+
+
+def _safe_resolve(d: Mapping[str, Any], n: int) -> Optional[List[str]]:
+    return _safe(lambda: _resolve_indexer_types(d, n))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------------------------
+
+_GLM5_BASE = dict(
+    vocab_size=154880,
+    hidden_size=6144,
+    intermediate_size=12288,
+    moe_intermediate_size=2048,
+    num_hidden_layers=78,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=512,
+    q_lora_rank=2048,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    qk_nope_head_dim=192,
+    n_group=1,
+    topk_group=1,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    hidden_act="silu",
+    initializer_range=0.02,
+    rms_norm_eps=1e-5,
+    pad_token_id=154820,
+    eos_token_id=[154820, 154827, 154829],
+    tie_word_embeddings=False,
+    attention_bias=False,
+    attention_dropout=0.0,
+    index_topk=2048,
+    index_head_dim=128,
+    index_n_heads=32,
+    first_k_dense_replace=3,
+    num_nextn_predict_layers=1,
+)
+
+
+def _glm5_v1() -> Dict[str, Any]:  # GLM-5 and GLM-5.1
+    cfg = GLM5Config(**_GLM5_BASE, rope_theta=1000000, max_position_embeddings=202752)
+    d = cfg.to_hf()
+    d.pop("bos_token_id", None)  # the GLM-5 config.json has no bos_token_id
+    return d
+
+
+def _glm5_v2() -> Dict[str, Any]:  # GLM-5.2 and GLM-5.3: IndexShare
+    cfg = GLM5Config(
+        **_GLM5_BASE,
+        rope_theta=8000000,
+        max_position_embeddings=1048576,
+        indexer_types=_freq_offset_indexer_types(78, 4, 3),
+        index_share_for_mtp_iteration=True,
+        moe_router_dtype="float32",
+    )
+    d = cfg.to_hf()
+    d.pop("bos_token_id", None)
+    d.update(
+        head_dim=192,  # present in the real config.json; NOT a width (transformers ignores it)
+        index_topk_freq=4,
+        index_skip_topk_offset=3,
+        index_topk_pattern=None,
+        indexer_rope_interleave=True,
+        rope_interleave=True,
+        ep_size=1,
+        moe_layer_freq=1,
+        pretraining_tp=1,
+    )
+    return dict(sorted(d.items()))
+
+
+_TINY_BASE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    routed_scaling_factor=2.5,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    qk_nope_head_dim=16,
+    n_group=1,
+    topk_group=1,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=4096,
+    initializer_range=0.02,
+    rms_norm_eps=1e-5,
+    pad_token_id=0,
+    bos_token_id=None,
+    eos_token_id=1,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    index_topk=16,
+    index_head_dim=16,
+    # 8 indexer heads: with 4, a key scores exactly 0 (all heads' ReLU off) 1 time in 16, and such ties
+    # at the top-k boundary make the selection ambiguous in parity tests.
+    index_n_heads=8,
+    first_k_dense_replace=1,
+    num_nextn_predict_layers=1,
+)
+
+
+def _tiny() -> Dict[str, Any]:
+    return GLM5Config(**_TINY_BASE).to_hf()
+
+
+def _tiny_indexshare() -> Dict[str, Any]:
+    return GLM5Config(
+        **_TINY_BASE,
+        indexer_types=["full", "shared", "full", "shared"],
+        index_share_for_mtp_iteration=True,
+        moe_router_dtype="float32",
+    ).to_hf()
+
+
+def _tiny_groups() -> Dict[str, Any]:
+    return GLM5Config(**{**_TINY_BASE, "n_group": 2, "topk_group": 1}).to_hf()
+
+
+_PRESET_BUILDERS = {
+    "glm5": _glm5_v1,
+    "glm5.1": _glm5_v1,
+    "glm5.2": _glm5_v2,
+    "glm5.3": _glm5_v2,
+    "tiny": _tiny,
+    "tiny-indexshare": _tiny_indexshare,
+    "tiny-groups": _tiny_groups,
+}
+PRESETS: Tuple[str, ...] = tuple(_PRESET_BUILDERS)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# megatron-core side (lazy)
+# --------------------------------------------------------------------------------------------------------------
+
+_PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def _inline_pre_import_shims() -> None:
+    """Stub megatron's triton-only paged-stash kernels when triton is missing (CPU machines)."""
+    if _PAGED_STASH in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+
+    def _needs_triton(*_a, **_k):
+        raise RuntimeError("MoE paged stash needs triton, which is not installed")
+
+    stub = types.ModuleType(_PAGED_STASH)
+    stub.GLOBAL_BLOCK_SIZE = 1024
+    stub.paged_stash_copy_kernel = _needs_triton
+    stub.paged_stash_pop_kernel = _needs_triton
+    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[_PAGED_STASH] = stub
+
+
+def _apply_pre_import_shims() -> None:
+    try:
+        from megatron_glm5 import platform as _platform  # noqa: PLC0415
+
+        _platform.apply_pre_import_shims()
+    except (ImportError, AttributeError):
+        _inline_pre_import_shims()
+
+
+_TRANSFORMER_CONFIG_CLASS = None
+
+
+def transformer_config_class():
+    """The :class:`GLM5TransformerConfig` class (a dataclass subclass of megatron's MLATransformerConfig),
+    created on first use so that importing this module does not import megatron.core."""
+    global _TRANSFORMER_CONFIG_CLASS
+    if _TRANSFORMER_CONFIG_CLASS is not None:
+        return _TRANSFORMER_CONFIG_CLASS
+    _apply_pre_import_shims()
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    @dataclass
+    class GLM5TransformerConfig(MLATransformerConfig):
+        """megatron-core MLA config plus the GLM-5 fields (DSA indexer, IndexShare, vocabulary)."""
+
+        vocab_size: int = 154880
+        """Vocabulary size (unpadded)."""
+        pad_token_id: Optional[int] = None
+        """Embedding padding index (None: no padding_idx)."""
+        dsa_index_n_heads: int = 32
+        """Lightning-indexer heads."""
+        dsa_index_head_dim: int = 128
+        """Lightning-indexer head dim (RoPE on its first qk_pos_emb_head_dim dims)."""
+        dsa_index_topk: int = 2048
+        """Keys kept per query by the sparse attention."""
+        dsa_indexer_types: tuple = ()
+        """Per main layer "full" (own indexer) or "shared" (reuse the nearest earlier full layer's top-k);
+        empty means all full."""
+        dsa_mtp_indexer_shared: bool = False
+        """index_share_for_mtp_iteration: MTP iterations after the first reuse the first one's top-k."""
+        dsa_stage: str = "sparse"
+        """"sparse" (top-k attention) or "dense-warmup" (dense attention, only the indexer trained)."""
+        dsa_indexer_loss_coeff: float = 0.0
+        """Weight of the indexer KL loss (0 disables it)."""
+        dsa_freeze_indexer: bool = False
+        """Freeze the indexer weights."""
+        dsa_backend: str = "torch"
+        """Kernel backend for the indexer / sparse attention."""
+        dsa_chunk_size: int = 1024
+        """Query chunk for the memory-bounded torch backend."""
+        latent_norm_eps: float = 1e-6
+        """eps of q_a / kv_a RMSNorms and of the indexer k_norm LayerNorm (transformers hard-codes 1e-6)."""
+        moe_norm_topk_prob: bool = True
+        """Normalise the selected sigmoid scores to sum 1 before routed_scaling_factor."""
+
+        def __post_init__(self):
+            super().__post_init__()
+            self.dsa_indexer_types = tuple(self.dsa_indexer_types) or ("full",) * self.num_layers
+            if len(self.dsa_indexer_types) != self.num_layers:
+                raise ConfigError(
+                    f"len(dsa_indexer_types) is {len(self.dsa_indexer_types)}, num_layers is {self.num_layers}",
+                    field="dsa_indexer_types",
+                )
+            bad = sorted({t for t in self.dsa_indexer_types if t not in INDEXER_TYPES}, key=str)
+            if bad:
+                raise ConfigError(f"dsa_indexer_types: unknown indexer type(s) {bad}", field="dsa_indexer_types")
+            if self.dsa_indexer_types[0] != "full":
+                raise ConfigError("dsa_indexer_types: layer 0 must be 'full'", field="dsa_indexer_types")
+            if self.dsa_stage not in DSA_STAGES:
+                raise ConfigError(
+                    f"dsa_stage must be one of {DSA_STAGES}, got {self.dsa_stage!r}", field="dsa_stage"
+                )
+            if self.dsa_index_head_dim < self.qk_pos_emb_head_dim:
+                raise ConfigError(
+                    f"dsa_index_head_dim ({self.dsa_index_head_dim}) must be >= qk_pos_emb_head_dim "
+                    f"({self.qk_pos_emb_head_dim})",
+                    field="dsa_index_head_dim",
+                )
+            for name in ("dsa_index_n_heads", "dsa_index_topk", "dsa_chunk_size", "vocab_size"):
+                if getattr(self, name) <= 0:
+                    raise ConfigError(f"{name} must be positive, got {getattr(self, name)}", field=name)
+            if self.dsa_indexer_loss_coeff < 0:
+                raise ConfigError("dsa_indexer_loss_coeff must be >= 0", field="dsa_indexer_loss_coeff")
+
+        @property
+        def dsa_full_layers(self) -> Tuple[int, ...]:
+            return tuple(i for i, t in enumerate(self.dsa_indexer_types) if t == "full")
+
+        def dsa_index_source_layer(self, i: int) -> int:
+            """0-based main layer whose top-k layer i uses (the nearest full layer <= i)."""
+            for j in range(i, -1, -1):
+                if self.dsa_indexer_types[j] == "full":
+                    return j
+            raise ConfigError(f"layer {i} has no earlier full indexer layer", field="dsa_indexer_types")
+
+    GLM5TransformerConfig.__module__ = __name__
+    GLM5TransformerConfig.__qualname__ = "GLM5TransformerConfig"
+    _TRANSFORMER_CONFIG_CLASS = GLM5TransformerConfig
+    return GLM5TransformerConfig
+
+
+def __getattr__(name: str):  # PEP 562: `from megatron_glm5.config import GLM5TransformerConfig` (and pickling)
+    if name == "GLM5TransformerConfig":
+        return transformer_config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

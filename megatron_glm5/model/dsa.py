@@ -1,0 +1,138 @@
+"""DeepSeek Sparse Attention as GLM-5 uses it: the lightning indexer, IndexShare and the indexer KL loss.
+
+``GLM5Indexer`` holds a full layer's indexer weights (HF ``self_attn.indexer.*``). ``GLM5SparseAttention`` is the
+``core_attention`` of GLM-5's MLA: it selects each query's top-k keys (its own indexer on "full" layers, the
+top-k left in the per-forward store by the nearest earlier full layer on "shared" layers), runs sparse MLA in the
+absorbed latent space through the selected attention backend, and attaches the indexer's training loss.
+
+Training stages (``config.dsa_stage``):
+- ``dense-warmup``: attention is dense (every causal key); the indexer learns to match the main attention's
+  distribution over all keys. Only the indexer receives gradients from that loss.
+- ``sparse``: attention sees only the top-k keys; the indexer loss is a KL over the selected keys.
+The indexer always reads detached inputs, so its loss never reaches the main model; its loss is added to the
+backward pass with megatron-core's MoEAuxLossAutoScaler (the schedule sets its scale like the MoE aux loss).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from megatron_glm5.model.rope import apply_interleaved_rope
+from megatron_glm5.ops import get_backend
+
+DSA_STAGES = ("dense-warmup", "sparse")
+
+
+class GLM5Indexer(MegatronModule):
+    """The lightning indexer: per query ``Hi`` small heads scored against one shared key per token.
+
+    score[t, j] = sum_h w[t, h] * relu(q[t, h] . k[j] / sqrt(Di)),  w = weights_proj(x) / sqrt(Hi)
+    Weights are replicated over tensor-parallel ranks (the indexer is small and sees the whole sequence).
+    """
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        hi, di = config.dsa_index_n_heads, config.dsa_index_head_dim
+        self.n_heads, self.head_dim, self.rope_dim = hi, di, config.qk_pos_emb_head_dim
+        dtype = config.params_dtype
+        self.linear_wq_b = torch.nn.Linear(config.q_lora_rank, hi * di, bias=False, dtype=dtype)
+        self.linear_wk = torch.nn.Linear(config.hidden_size, di, bias=False, dtype=dtype)
+        self.k_norm = torch.nn.LayerNorm(di, eps=config.latent_norm_eps, dtype=dtype)
+        # transformers keeps weights_proj in fp32 (_keep_in_fp32_modules); so do we.
+        self.linear_weights_proj = torch.nn.Linear(config.hidden_size, hi, bias=False, dtype=torch.float32)
+        for lin in (self.linear_wq_b, self.linear_wk, self.linear_weights_proj):
+            config.init_method(lin.weight)
+        self.softmax_scale = di ** -0.5
+
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [s, b, H], q_resid [s, b, q_lora] -> q [T, Hi, Di], k [T, Di], weights [T, Hi] (fp32), T = b*s."""
+        s, b, _ = x.shape
+        q = self.linear_wq_b(q_resid).view(s, b, self.n_heads, self.head_dim)
+        k = self.k_norm(self.linear_wk(x))
+        r = self.rope_dim
+        q = torch.cat([apply_interleaved_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        k = torch.cat([apply_interleaved_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        w = self.linear_weights_proj(x.to(torch.float32)) * (self.n_heads ** -0.5)
+        to_tokens = lambda t: t.transpose(0, 1).reshape(b * s, *t.shape[2:])
+        return to_tokens(q), to_tokens(k), to_tokens(w)
+
+
+class GLM5SparseAttention(MegatronModule):
+    """MLA core attention with DSA. Built per layer from the spec with ``index_mode`` "full" or "shared".
+
+    ``store_key``: where a full layer leaves its top-k in ``AttentionInputs.topk_store``; ``source_key``: which
+    full layer a shared layer reuses. Both are fixed when the spec is built (megatron layer numbers, 1-based).
+    """
+
+    def __init__(self, config, layer_number: int, index_mode: str, store_key, source_key=None,
+                 softmax_scale: float = None, pg_collection=None, **unused_megatron_kwargs):
+        super().__init__(config=config)
+        if index_mode not in ("full", "shared"):
+            raise ValueError(f"index_mode must be 'full' or 'shared', got {index_mode!r}")
+        if config.dsa_stage not in DSA_STAGES:
+            raise ValueError(f"--dsa-stage must be one of {DSA_STAGES}, got {config.dsa_stage!r}")
+        self.layer_number = layer_number
+        self.index_mode, self.store_key, self.source_key = index_mode, store_key, source_key
+        self.indexer = GLM5Indexer(config) if index_mode == "full" else None
+        if self.indexer is not None and config.dsa_freeze_indexer:
+            self.indexer.requires_grad_(False)
+        self.softmax_scale = softmax_scale
+        self.backend = get_backend(config.dsa_backend)
+        self.tp_group = pg_collection.tp if pg_collection is not None else parallel_state.get_tensor_model_parallel_group()
+        self.last_indexer_loss = None  # detached, for logging
+
+    def _indexer_loss_enabled(self) -> bool:
+        cfg = self.config
+        return (self.indexer is not None and self.training and torch.is_grad_enabled()
+                and cfg.dsa_indexer_loss_coeff > 0 and not cfg.dsa_freeze_indexer)
+
+    def _head_sum_reduce(self):
+        if self.tp_group is None or torch.distributed.get_world_size(self.tp_group) == 1:
+            return None
+        group = self.tp_group
+
+        def all_reduce(t):
+            torch.distributed.all_reduce(t, group=group)
+            return t
+        return all_reduce
+
+    def forward(self, q, kv, x, q_resid, inputs):
+        """q [T, h, Dqk] (absorbed), kv [T, Dqk] latent|rope; x [s, b, H], q_resid [s, b, q_lora] detached.
+
+        Returns the latent attention output [T, h, kv_lora_rank].
+        """
+        cfg = self.config
+        sparse = cfg.dsa_stage == "sparse"
+        with_loss = self._indexer_loss_enabled()
+        window = int((inputs.query_end - inputs.key_start).max()) + 1
+        topk = min(cfg.dsa_index_topk, window)
+
+        indices = None
+        if self.indexer is not None and (sparse or with_loss):
+            with torch.set_grad_enabled(with_loss):
+                q_idx, k_idx, w_idx = self.indexer(x, q_resid, inputs.cos, inputs.sin)
+            if sparse:
+                indices = self.backend.indexer_topk(
+                    q_idx.detach(), k_idx.detach(), w_idx.detach(), topk, inputs.key_start, inputs.query_end,
+                    self.indexer.softmax_scale)
+                inputs.topk_store[self.store_key] = indices
+        elif self.indexer is None and sparse:
+            if self.source_key not in inputs.topk_store:
+                raise RuntimeError(
+                    f"IndexShare layer {self.layer_number} needs the top-k of full layer {self.source_key}, "
+                    "which did not run before it in this forward")
+            indices = inputs.topk_store[self.source_key]
+
+        out, _lse = self.backend.sparse_mla(q, kv, indices, self.softmax_scale, cfg.kv_lora_rank,
+                                            key_start=inputs.key_start, query_end=inputs.query_end)
+        if with_loss:
+            kl_sum, n_tokens = self.backend.indexer_kl_loss(
+                q_idx, k_idx, w_idx, self.indexer.softmax_scale, q.detach(), kv.detach(), self.softmax_scale,
+                inputs.key_start, inputs.query_end, indices=indices, head_sum_reduce=self._head_sum_reduce())
+            loss = cfg.dsa_indexer_loss_coeff * kl_sum / max(n_tokens, 1)
+            self.last_indexer_loss = loss.detach()
+            out = MoEAuxLossAutoScaler.apply(out, loss)
+        return out

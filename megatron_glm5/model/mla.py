@@ -1,0 +1,95 @@
+"""GLM-5's Multi-head Latent Attention on megatron-core's MLASelfAttention.
+
+The parent builds the projections (linear_q_down_proj, q_layernorm, linear_q_up_proj, linear_kv_down_proj,
+kv_layernorm, linear_kv_up_proj, linear_proj) and the core attention from the layer spec; this subclass replaces
+the forward pass with GLM-5's:
+
+  q_resid = q_layernorm(q_down(x))                      (eps 1e-6)
+  q       = q_up(q_resid) -> per head [nope | rope]      rope part rotated (interleaved pairs)
+  latent, k_rope = kv_down(x);  latent = kv_layernorm(latent);  k_rope rotated (one head shared by all heads)
+  attention runs in the absorbed latent space: q_lat = [q_nope @ W_uk | q_rope], kv = [latent | k_rope],
+  out = (sparse attention over the DSA-selected keys) @ W_uv, then linear_proj.
+
+W_uk / W_uv are the k_nope / v rows of linear_kv_up_proj's weight (HF kv_b_proj), used in place, so the
+parameters keep their HF shapes and kernels never see per-head K or V.
+
+Tensor parallelism (heads split over TP ranks) — all communication of this module is in ``_project``:
+- the input is gathered once (sequence-parallel all-gather, or an identity whose backward all-reduces);
+- the two column-parallel down projections are all-gathered to full width;
+- the replicated tensors that feed per-head math (q_resid and the [latent | k_rope] key) pass through
+  copy_to_tensor_model_parallel_region, whose backward sums their gradients over TP. megatron-core's own
+  non-TE MLA misses this for k_rope (its gradient only reflects the local heads when TP > 1); here the shared
+  key's gradient is summed like the latent's, by construction.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+from megatron_glm5.model.attention_inputs import AttentionInputs
+from megatron_glm5.model.rope import apply_interleaved_rope
+
+
+class GLM5MLASelfAttention(MLASelfAttention):
+
+    def _tp_size(self) -> int:
+        return self.pg_collection.tp.size() if self.pg_collection.tp is not None else 1
+
+    def _project(self, hidden_states: torch.Tensor):
+        """x [s_local, b, H] -> x_full [s, b, H], q_compressed [s, b, q_lora], kv_combined [s, b, kv_lora + rope]."""
+        tp = self._tp_size()
+        if self.config.sequence_parallel and tp > 1:
+            x = gather_from_sequence_parallel_region(hidden_states, group=self.pg_collection.tp)
+        else:
+            x = copy_to_tensor_model_parallel_region(hidden_states, group=self.pg_collection.tp)
+        q_c = F.linear(x, self.linear_q_down_proj.weight)
+        kv_c = F.linear(x, self.linear_kv_down_proj.weight)
+        if tp > 1:
+            q_c = gather_from_tensor_model_parallel_region(q_c, group=self.pg_collection.tp)
+            kv_c = gather_from_tensor_model_parallel_region(kv_c, group=self.pg_collection.tp)
+        return x, q_c, kv_c
+
+    def forward(self, hidden_states, attention_mask=None, key_value_states=None, inference_context=None,
+                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                attention_bias=None, packed_seq_params=None, position_ids=None, sequence_len_offset=None,
+                *, inference_params=None):
+        inputs = rotary_pos_emb
+        if not isinstance(inputs, AttentionInputs):
+            raise TypeError("GLM5MLASelfAttention expects the per-forward AttentionInputs in the rotary_pos_emb "
+                            "slot (built by GLM5Model); got " + type(inputs).__name__)
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("KV-cache inference is not supported by megatron-glm5; export to HF/vLLM")
+        cfg = self.config
+        h = self.num_attention_heads_per_partition
+        nope, rope, dv, lat = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+
+        x, q_c, kv_c = self._project(hidden_states)
+        s, b, _ = x.shape
+        group = self.pg_collection.tp
+
+        q_resid = self.q_layernorm(q_c)
+        q = F.linear(copy_to_tensor_model_parallel_region(q_resid, group=group), self.linear_q_up_proj.weight)
+        q = q.view(s, b, h, nope + rope)
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        q_rope = apply_interleaved_rope(q_rope, inputs.cos, inputs.sin)
+
+        latent = self.kv_layernorm(kv_c[..., :lat])
+        k_rope = apply_interleaved_rope(kv_c[..., lat:], inputs.cos, inputs.sin)
+        kv = copy_to_tensor_model_parallel_region(torch.cat([latent, k_rope], dim=-1), group=group)
+
+        w_kv = self.linear_kv_up_proj.weight.view(h, nope + dv, lat)
+        w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
+        q_lat = torch.einsum("sbhn,hnc->sbhc", q_nope, w_uk)
+        q_abs = torch.cat([q_lat, q_rope], dim=-1)
+
+        to_tokens = lambda t: t.transpose(0, 1).reshape(b * s, *t.shape[2:])
+        out_lat = self.core_attention(to_tokens(q_abs), to_tokens(kv), x.detach(), q_resid.detach(), inputs)
+        out = torch.einsum("thc,hvc->thv", out_lat, w_uv)  # [T, h, v]
+        out = out.reshape(b, s, h * dv).transpose(0, 1).contiguous()
+        return self.linear_proj(out)

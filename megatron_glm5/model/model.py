@@ -1,0 +1,87 @@
+"""GLM5Model: megatron-core's GPTModel with GLM-5's layers, and ``build_model``.
+
+The only change to GPTModel's flow is in ``_preprocess``: instead of a rotary table (GPTModel builds none for
+MLA) it creates the per-forward ``AttentionInputs`` (RoPE of the real positions, attention windows, IndexShare
+store) that every GLM-5 attention layer of this forward — MTP included — reads.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from megatron_glm5.model.attention_inputs import build_attention_inputs
+from megatron_glm5.model.spec import decoder_block_spec, mtp_block_spec
+
+
+class _DropGPTModelDeprecation(logging.Filter):
+    def filter(self, record):
+        return "GPTModel IS DEPRECATED" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropGPTModelDeprecation())
+
+
+class GLM5Model(GPTModel):
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, *args, **kwargs):
+        """GPTModel.forward; ``position_ids`` default to 0..s-1 and the attention mask is not needed (GLM-5's
+        attention is causal, windows come from positions / packed_seq_params). Without labels: logits [b, s, V]."""
+        if position_ids is None and input_ids is not None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, padding_mask=None):
+        out = list(super()._preprocess(input_ids, position_ids, decoder_input=decoder_input,
+                                       inference_context=inference_context, packed_seq_params=packed_seq_params,
+                                       padding_mask=padding_mask))
+        cu_seqlens = None
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu_seqlens = packed_seq_params.cu_seqlens_q
+        cfg = self.config
+        out[1] = build_attention_inputs(position_ids, cfg.qk_pos_emb_head_dim, cfg.rotary_base, cu_seqlens=cu_seqlens)
+        return tuple(out)
+
+
+def build_model(config, *, pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                vp_stage: Optional[int] = None, mtp: Optional[bool] = None, **overrides) -> GLM5Model:
+    """Build GLM-5 for this rank's pipeline stage.
+
+    ``config``: a GLM5Config (HF-level; ``overrides`` go to ``to_transformer_config``: parallel sizes, dtype,
+    dsa_stage, ...) or an already-built GLM5TransformerConfig. ``mtp``: build the MTP layer (default: when the
+    config has one). Initialises a single-process model-parallel state if none exists.
+    """
+    from megatron_glm5.config import GLM5Config
+
+    if not parallel_state.model_parallel_is_initialized():
+        from megatron_glm5 import platform
+        platform.initialize_model_parallel()
+    if isinstance(config, GLM5Config):
+        if mtp is False:
+            overrides.setdefault("mtp_num_layers", None)
+        tcfg = config.to_transformer_config(**overrides)
+    else:
+        if overrides:
+            raise TypeError("overrides are only accepted with a GLM5Config")
+        tcfg = config
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    return GLM5Model(
+        config=tcfg,
+        transformer_layer_spec=decoder_block_spec(tcfg, vp_stage=vp_stage),
+        vocab_size=tcfg.vocab_size,
+        max_sequence_length=tcfg.max_position_embeddings if hasattr(tcfg, "max_position_embeddings") else 4096,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(tcfg.rotary_base),
+        mtp_block_spec=mtp_block_spec(tcfg),
+        vp_stage=vp_stage,
+    )

@@ -1,0 +1,135 @@
+"""GLM-5's MoE pieces on megatron-core's MoELayer: the router and the grouped-GEMM experts.
+
+Router (HF ``mlp.gate``): fp32 logits, sigmoid scores; the expert choice adds the aux-loss-free balancing bias
+(HF ``e_score_correction_bias``, megatron ``expert_bias``, updated in finalize_model_grads) but the combine
+weights do not; optional group-limited selection scores each group by the sum of its top-2 biased scores
+(transformers' rule — megatron-core scores groups by the top topk/group_topk, which differs when that is not 2);
+weights are normalised over the chosen experts (+1e-20) and scaled by routed_scaling_factor (2.5).
+
+Experts: all local experts' weights stacked in two tensors (HF layout: gate rows then up rows), applied with
+torch's grouped GEMM (``torch.nn.functional.grouped_mm``); a per-expert loop where grouped_mm is unavailable.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, compute_routing_scores_for_aux_loss
+from megatron.core.transformer.moe.router import TopKRouter
+
+
+def glm5_topk_routing(logits, expert_bias, topk: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                      scaling_factor: float):
+    """logits [N, E] (fp32) -> (probs [N, E] with the combine weight at chosen experts, routing_map [N, E] bool)."""
+    n, e = logits.shape
+    scores = torch.sigmoid(logits.float())
+    choice = scores + expert_bias.float() if expert_bias is not None else scores
+    if n_group > 1:
+        group_scores = choice.view(n, n_group, e // n_group).topk(2, dim=-1).values.sum(-1)
+        groups = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    idx = choice.topk(topk, dim=-1, sorted=False).indices
+    weights = scores.gather(1, idx)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * scaling_factor
+    probs = torch.zeros_like(scores).scatter(1, idx, weights)
+    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, idx, True)
+    return probs, routing_map
+
+
+class GLM5Router(TopKRouter):
+    """megatron-core's TopKRouter (gating, z-loss, aux losses, expert-bias bookkeeping) with GLM-5's top-k."""
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        # GLM-5 keeps the router weight in fp32 whatever the model dtype (HF: _keep_in_fp32_modules_strict).
+        self.weight.data = self.weight.data.to(torch.float32)
+
+    def routing(self, logits: torch.Tensor, padding_mask=None):
+        cfg = self.config
+        seq_length, bsz = logits.shape[:2]
+        logits = logits.view(-1, cfg.num_moe_experts)
+        if padding_mask is not None:
+            padding_mask = padding_mask.reshape(-1)
+        logits = self.apply_z_loss(logits, padding_mask=padding_mask)
+        probs, routing_map = glm5_topk_routing(
+            logits, self.expert_bias, self.topk, cfg.moe_router_num_groups or 1, cfg.moe_router_group_topk or 1,
+            cfg.moe_norm_topk_prob, cfg.moe_router_topk_scaling_factor or 1.0)
+        probs = probs.to(logits.dtype)
+        if cfg.moe_expert_capacity_factor is not None:
+            probs, routing_map = apply_router_token_dropping(
+                probs, routing_map, router_topk=self.topk, capacity_factor=cfg.moe_expert_capacity_factor,
+                drop_policy=cfg.moe_token_drop_policy, pad_to_capacity=cfg.moe_pad_expert_input_to_capacity)
+        if self.training and torch.is_grad_enabled() and self.is_aux_loss_enabled():
+            map_aux, scores_aux = compute_routing_scores_for_aux_loss(
+                logits, self.topk, self.score_function, fused=False, padding_mask=padding_mask)
+            masked = padding_mask is not None
+            probs = self._apply_aux_loss(probs, scores_aux, map_aux, with_padding_mask=masked)
+            probs = self._apply_seq_aux_loss(probs, scores_aux, map_aux, seq_length, bsz, with_padding_mask=masked)
+            probs = self._apply_global_aux_loss(probs, scores_aux, map_aux, with_padding_mask=masked)
+        self._apply_expert_bias(routing_map, padding_mask=padding_mask)
+        return probs, routing_map
+
+
+def _grouped_mm_available() -> bool:
+    return hasattr(F, "grouped_mm")
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (torch's grouped_mm backward rejects
+    stride-0 gradients, e.g. the expanded gradient of a sum)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, counts: list[int] | None = None):
+    """Per-expert x_e @ w_e^T for contiguous token groups. x [N, in], w [E, out, in], offsets = cumsum(counts)."""
+    if _grouped_mm_available() and (x.is_cuda or x.dtype == torch.float32):
+        return F.grouped_mm(_ContiguousGrad.apply(x), w.transpose(1, 2), offs=offsets)
+    counts = counts if counts is not None else torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+    return torch.cat([F.linear(chunk, w[e]) for e, chunk in enumerate(torch.split(x, counts))], dim=0)
+
+
+class GLM5GroupedExperts(MegatronModule):
+    """The routed experts of one MoE layer (this rank's ``num_local_experts``).
+
+    weight1 [E_local, 2 * I_local, H]: rows [gate | up] (HF ``experts.gate_up_proj``); weight2 [E_local, H, I_local]
+    (HF ``experts.down_proj``). With expert tensor parallelism each rank holds I_local = I / etp of both gate and up.
+    """
+
+    def __init__(self, num_local_experts: int, config, pg_collection=None, name=None):
+        super().__init__(config=config)
+        self.num_local_experts = num_local_experts
+        self.etp = pg_collection.expt_tp.size() if pg_collection is not None and pg_collection.expt_tp is not None else 1
+        ffn = config.moe_ffn_hidden_size
+        if ffn % self.etp:
+            raise ValueError(f"--etp {self.etp} does not divide moe_intermediate_size {ffn}")
+        self.ffn_local = ffn // self.etp
+        kw = dict(dtype=config.params_dtype, device="cpu" if config.use_cpu_initialization else None)
+        self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * self.ffn_local, config.hidden_size, **kw))
+        self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, config.hidden_size, self.ffn_local, **kw))
+        if config.perform_initialization:
+            with tensor_parallel.get_cuda_rng_tracker().fork(tensor_parallel.random.get_expert_parallel_rng_tracker_name()):
+                config.init_method(self.weight1)
+                config.output_layer_init_method(self.weight2)
+        for w, dim in ((self.weight1, 1), (self.weight2, 2)):
+            w.allreduce = False  # expert-parallel: gradients reduce over the expert data-parallel group
+            tensor_parallel.set_tensor_model_parallel_attributes(w, is_parallel=self.etp > 1, dim=dim, stride=1)
+
+    def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
+        counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
+        offsets = torch.tensor(counts, device=permuted_hidden.device).cumsum(0).to(torch.int32)
+        h = grouped_linear(permuted_hidden, self.weight1, offsets, counts)
+        gate, up = h.split(self.ffn_local, dim=-1)
+        act = F.silu(gate) * up
+        act = (act.float() * permuted_probs.float().unsqueeze(-1)).to(act.dtype)
+        return grouped_linear(act, self.weight2, offsets, counts), None

@@ -1,0 +1,190 @@
+"""Attention-backend registry: where GPU kernels for the DSA ops plug in.
+
+Every backend offers the three ops of ``megatron_glm5.ops.reference`` with the same signatures:
+``indexer_topk``, ``sparse_mla`` and ``indexer_kl_loss``.  Today only "torch" (the pure-torch reference) is
+implemented; "triton", "tilelang", "cudnn" and "flashmla" are registered placeholders whose ``available()`` reports
+whether their package and a CUDA GPU are present, and ``get_backend`` refuses them honestly (no fake kernels).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Dict, Optional, Set
+
+import torch
+
+from . import reference
+
+__all__ = [
+    "AttentionBackend",
+    "BackendUnavailable",
+    "TorchBackend",
+    "PendingGPUBackend",
+    "BACKENDS",
+    "AUTO_PREFERENCE",
+    "get_backend",
+]
+
+logger = logging.getLogger("megatron_glm5.ops")
+
+
+class BackendUnavailable(ImportError):
+    """The requested attention backend cannot run here (missing package, no CUDA GPU, or kernels not shipped)."""
+
+
+class AttentionBackend:
+    """Interface of an attention backend.  Subclasses implement the three ops."""
+
+    name: str = "base"
+    #: whether this release ships kernels for the backend
+    implemented: bool = False
+
+    def available(self) -> bool:
+        """True when the backend can run in this process."""
+        raise NotImplementedError
+
+    def indexer_topk(self, q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=1024):
+        raise NotImplementedError
+
+    def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
+        raise NotImplementedError
+
+    def indexer_kl_loss(
+        self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None,
+    ):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class TorchBackend(AttentionBackend):
+    """The pure-torch reference (any device, chunked and memory-lean, slow)."""
+
+    name = "torch"
+    implemented = True
+
+    def available(self) -> bool:
+        return True
+
+    def indexer_topk(self, q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=1024):
+        return reference.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size)
+
+    def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
+        return reference.sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
+
+    def indexer_kl_loss(
+        self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None,
+    ):
+        return reference.indexer_kl_loss(
+            q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+            indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
+        )
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+class PendingGPUBackend(AttentionBackend):
+    """A GPU backend whose kernels are not part of this release."""
+
+    implemented = False
+
+    def __init__(self, name: str, module: str, install_hint: str):
+        self.name = name
+        self.module = module
+        self.install_hint = install_hint
+        self._has_package: Optional[bool] = None
+
+    def has_package(self) -> bool:
+        if self._has_package is None:
+            try:
+                importlib.import_module(self.module)
+                self._has_package = True
+            except Exception:  # ImportError, or a broken install failing at import time
+                self._has_package = False
+        return self._has_package
+
+    def available(self) -> bool:
+        return self.has_package() and _cuda_available()
+
+    def missing_package_message(self) -> str:
+        return f"--attn {self.name} needs the {self.module} package: {self.install_hint}"
+
+    def no_cuda_message(self) -> str:
+        return f"--attn {self.name} needs a CUDA GPU (torch.cuda.is_available() is False); use --attn torch"
+
+    def not_shipped_message(self) -> str:
+        return f"--attn {self.name}: kernels arrive in a later release; use --attn torch"
+
+    def check(self) -> None:
+        """Raise BackendUnavailable saying why this backend cannot be used."""
+        if not self.has_package():
+            raise BackendUnavailable(self.missing_package_message())
+        if not _cuda_available():
+            raise BackendUnavailable(self.no_cuda_message())
+        raise BackendUnavailable(self.not_shipped_message())
+
+    def _refuse(self, *args, **kwargs):
+        raise BackendUnavailable(self.not_shipped_message())
+
+    indexer_topk = _refuse
+    sparse_mla = _refuse
+    indexer_kl_loss = _refuse
+
+
+BACKENDS: Dict[str, AttentionBackend] = {
+    "torch": TorchBackend(),
+    "triton": PendingGPUBackend("triton", "triton", "pip install 'megatron-glm5[gpu]'"),
+    "tilelang": PendingGPUBackend("tilelang", "tilelang", "pip install 'megatron-glm5[tilelang]'"),
+    "cudnn": PendingGPUBackend(
+        "cudnn", "cudnn", "pip install 'megatron-glm5[cudnn]' (package nvidia-cudnn-frontend)"
+    ),
+    "flashmla": PendingGPUBackend(
+        "flashmla", "flash_mla", "build FlashMLA from source: https://github.com/deepseek-ai/FlashMLA"
+    ),
+}
+
+#: order in which "auto" tries backends (fastest first); only implemented, available ones are chosen
+AUTO_PREFERENCE = ("flashmla", "cudnn", "tilelang", "triton", "torch")
+
+_ALIASES = {"flash_mla": "flashmla", "flash-mla": "flashmla", "reference": "torch"}
+_logged: Set[str] = set()
+
+
+def _log_once(requested: str, backend: AttentionBackend) -> None:
+    if backend.name not in _logged:
+        _logged.add(backend.name)
+        logger.info("attention backend: %s (requested --attn %s)", backend.name, requested)
+
+
+def get_backend(name: str = "auto") -> AttentionBackend:
+    """The attention backend for ``--attn name``.
+
+    "auto": the best implemented and available backend ("torch" when no GPU kernel can run).  Unknown name:
+    ValueError listing the choices.  A known backend that cannot run: BackendUnavailable (an ImportError) with a
+    one-line reason -- missing package (with the install step), no CUDA GPU, or kernels not shipped yet.
+    """
+    requested = str(name).strip().lower()
+    key = _ALIASES.get(requested, requested)
+    if key == "auto":
+        for candidate in AUTO_PREFERENCE:
+            backend = BACKENDS[candidate]
+            if backend.implemented and backend.available():
+                _log_once(requested, backend)
+                return backend
+        raise BackendUnavailable("--attn auto: no attention backend is available")  # unreachable: torch always is
+    if key not in BACKENDS:
+        choices = ", ".join(["auto", *BACKENDS])
+        raise ValueError(f"unknown attention backend {name!r}; choose one of: {choices}")
+    backend = BACKENDS[key]
+    if isinstance(backend, PendingGPUBackend):
+        backend.check()  # always raises: no kernels in this release
+    if not backend.available():
+        raise BackendUnavailable(f"--attn {key} is not available in this process")
+    _log_once(requested, backend)
+    return backend
