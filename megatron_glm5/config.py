@@ -818,6 +818,7 @@ class GLM5Config:
             masked_softmax_fusion=False,
             gradient_accumulation_fusion=False,
             persist_layer_norm=False,
+            transformer_impl="local",  # GLM-5's specs use megatron-core's local modules (+ our own), never TE's
             use_cpu_initialization=not torch.cuda.is_available(),
             params_dtype=torch.float32,
             bf16=False,

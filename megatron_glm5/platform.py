@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import types
@@ -268,7 +269,8 @@ def _cuda_current_device() -> bool:
     """Make ``torch.cuda.current_device()`` return ``torch.device('cpu')``.
 
     megatron-core uses it as the default device for tensors it creates, e.g.
-    ``RotaryEmbedding``/``YarnRotaryEmbedding.__init__`` (inv_freq), ``TopKRouter`` buffers
+    ``RotaryEmbedding``/``YarnRotaryEmbedding.__init__`` (inv_freq; megatron/core/models/common/
+    embeddings/rotary_pos_embedding.py), ``TopKRouter`` buffers
     and ``gating``, ``_AllToAll.forward`` in tensor_parallel/mappings.py (EP > 1 output
     buffer), ``MultiTokenPredictionBlock``, DDP buffers, tensor_parallel.layers weight
     allocation (``use_cpu_initialization=False``), ``p2p_communication`` shape buffers.  On a
@@ -348,8 +350,8 @@ def _cuda_streams() -> bool:
     """Replace ``torch.cuda.{Stream, Event, current_stream, default_stream, stream,
     synchronize}`` with synchronous CPU stand-ins.
 
-    ``MoEAlltoAllTokenDispatcher.__init__`` (transformer/moe/token_dispatcher.py) creates
-    ``torch.cuda.Stream()`` ("torch.cuda.Stream requires CUDA support" on CPU), and its
+    ``MoEAlltoAllTokenDispatcher.__init__`` (megatron/core/transformer/moe/token_dispatcher.py)
+    creates ``torch.cuda.Stream()`` ("torch.cuda.Stream requires CUDA support" on CPU); its
     ``_maybe_dtoh_and_synchronize`` uses ``current_stream()``, ``wait_stream``,
     ``torch.cuda.stream(...)``, ``record_event()`` and ``event.synchronize()`` around the
     device-to-host copies of the split sizes (``torch.cpu.Stream.record_event`` returns None,
@@ -368,7 +370,7 @@ def _cuda_streams() -> bool:
 
 @_register("cpu")
 def _clip_grad_cpu() -> bool:
-    """CPU version of ``optimizer/clip_grads.py:clip_grad_by_total_norm_fp32``.
+    """CPU version of ``megatron/core/optimizer/clip_grads.py:clip_grad_by_total_norm_fp32``.
 
     Upstream asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` (an AssertionError
     with no message for every CPU fp32 grad) and allocates a ``device='cuda'`` overflow buffer
@@ -419,12 +421,13 @@ def _clip_grad_cpu() -> bool:
 def _moe_split_sizes_numpy() -> bool:
     """Let ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)`` convert CPU tensors too.
 
-    ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` turns ``input_splits``,
-    ``output_splits`` and ``output_splits_tp`` into numpy arrays through this helper, which
-    only converts CUDA tensors.  On CPU they stay torch tensors and, with EP > 1 (or TP > 1
-    with the alltoall dispatcher), ``torch.distributed.all_to_all_single`` in
-    ``tensor_parallel/mappings.py:_AllToAll`` rejects them ("incompatible function
-    arguments").  Patched in ``moe_utils`` and in ``token_dispatcher`` (imports it by name).
+    ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize``
+    (megatron/core/transformer/moe/token_dispatcher.py) turns ``input_splits``,
+    ``output_splits`` and ``output_splits_tp`` into numpy arrays through this helper
+    (megatron/core/transformer/moe/moe_utils.py), which only converts CUDA tensors.  On CPU
+    they stay torch tensors and, with EP > 1 (or TP > 1 with the alltoall dispatcher),
+    ``torch.distributed.all_to_all_single`` in ``tensor_parallel/mappings.py:_AllToAll``
+    rejects them ("all_to_all_single(): incompatible function arguments").  Patched in ``moe_utils`` and in ``token_dispatcher`` (imports it by name).
     """
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -569,10 +572,33 @@ def _cuda_device_redirect() -> bool:
     * ``param_and_grad_buffer`` offload (``pin_memory()``).
 
     The mode is pushed on the torch-function-mode stack of the thread that applies the shims;
-    other threads do not see it.
+    other threads do not see it, and torch's autograd engine empties that stack while it runs
+    backward functions and hooks.  Megatron's activation recomputation re-runs forward code
+    (e.g. the causal mask above) inside backward, so ``tensor_parallel/random.py``'s
+    ``CheckpointFunction.backward`` and ``CheckpointWithoutOutput._recompute`` are wrapped to
+    re-enter the mode.
     """
+    from megatron.core.tensor_parallel import random as mrandom
+
     _cuda_literals_mode().redirect_devices = True
+    ckpt = mrandom.CheckpointFunction
+    ckpt.backward = staticmethod(_in_cuda_literals_mode(ckpt.backward))
+    no_out = mrandom.CheckpointWithoutOutput
+    no_out._recompute = _in_cuda_literals_mode(no_out._recompute)
     return True
+
+
+def _in_cuda_literals_mode(fn):
+    """Wrap ``fn`` to run with the mode on the stack (autograd's backward runs without it)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _MODE is None or _MODE in torch.overrides._get_current_function_mode_stack():
+            return fn(*args, **kwargs)
+        with _MODE:
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 @_register("cpu")

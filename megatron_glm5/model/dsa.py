@@ -82,7 +82,7 @@ class GLM5SparseAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.backend = get_backend(config.dsa_backend)
         self.tp_group = pg_collection.tp if pg_collection is not None else parallel_state.get_tensor_model_parallel_group()
-        self.last_indexer_loss = None  # detached, for logging
+        self.last_indexer_loss = None  # mean KL per token of the last training forward (detached), for logging
 
     def _indexer_loss_enabled(self) -> bool:
         cfg = self.config
@@ -132,7 +132,7 @@ class GLM5SparseAttention(MegatronModule):
             kl_sum, n_tokens = self.backend.indexer_kl_loss(
                 q_idx, k_idx, w_idx, self.indexer.softmax_scale, q.detach(), kv.detach(), self.softmax_scale,
                 inputs.key_start, inputs.query_end, indices=indices, head_sum_reduce=self._head_sum_reduce())
-            loss = cfg.dsa_indexer_loss_coeff * kl_sum / max(n_tokens, 1)
-            self.last_indexer_loss = loss.detach()
-            out = MoEAuxLossAutoScaler.apply(out, loss)
+            kl = kl_sum / max(n_tokens, 1)
+            self.last_indexer_loss = kl.detach()
+            out = MoEAuxLossAutoScaler.apply(out, cfg.dsa_indexer_loss_coeff * kl)
         return out

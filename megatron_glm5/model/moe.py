@@ -114,7 +114,7 @@ class GLM5GroupedExperts(MegatronModule):
         if ffn % self.etp:
             raise ValueError(f"--etp {self.etp} does not divide moe_intermediate_size {ffn}")
         self.ffn_local = ffn // self.etp
-        kw = dict(dtype=config.params_dtype, device="cpu" if config.use_cpu_initialization else None)
+        kw = dict(dtype=config.params_dtype, device=None if config.use_cpu_initialization else torch.cuda.current_device())
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * self.ffn_local, config.hidden_size, **kw))
         self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, config.hidden_size, self.ffn_local, **kw))
         if config.perform_initialization:

@@ -1,0 +1,20 @@
+"""Errors that are the user's to fix (a bad flag, a missing file, a malformed sample).
+
+The entry scripts print these as one line, ``error: <message>``, and exit with status 2, without a traceback
+(see :func:`megatron_glm5.arguments.main_guard`).  Anything else is a bug and keeps its traceback.
+
+Subclass :class:`UserError` for such errors in any module; multiple inheritance with ``ValueError`` (or another
+builtin) keeps ``except ValueError`` callers working::
+
+    class DataError(UserError, ValueError): ...
+
+This module has no dependencies, so every module may import it.
+"""
+
+from __future__ import annotations
+
+__all__ = ["UserError"]
+
+
+class UserError(Exception):
+    """An error the user can fix; its message says what is wrong and what to do instead."""
