@@ -427,7 +427,8 @@ def _moe_split_sizes_numpy() -> bool:
     (megatron/core/transformer/moe/moe_utils.py), which only converts CUDA tensors.  On CPU
     they stay torch tensors and, with EP > 1 (or TP > 1 with the alltoall dispatcher),
     ``torch.distributed.all_to_all_single`` in ``tensor_parallel/mappings.py:_AllToAll``
-    rejects them ("all_to_all_single(): incompatible function arguments").  Patched in ``moe_utils`` and in ``token_dispatcher`` (imports it by name).
+    rejects them ("all_to_all_single(): incompatible function arguments").  Patched in
+    ``moe_utils`` and in ``token_dispatcher`` (which imports it by name).
     """
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
@@ -556,7 +557,7 @@ def _cuda_device_redirect() -> bool:
       _scale_one), ``FP32Optimizer.__init__`` (_scale), ``MegatronOptimizer``'s grad-norm-group
       flag and ``restore_from_cpu``, ``clip_grads.get_grad_norm_fp32`` / ``count_zeros_fp32``,
       ``megatron/core/utils.py:local_multi_tensor_l2_norm`` (the no-apex grad-norm kernel),
-      ``DistributedOptimizer`` gloo gather (``.cuda()``).
+      ``DistributedOptimizer.get_parameter_state_dp_zero`` (gloo gather, ``.cuda()``).
     * pipeline schedules: ``forward_backward_no_pipelining``, ``..._pipelining_without_
       interleaving``, ``..._pipelining_with_interleaving`` (``total_num_tokens``).
     * attention: ``fusions/fused_softmax.py`` causal masks from ``transformer/utils.py:
@@ -564,12 +565,12 @@ def _cuda_device_redirect() -> bool:
     * ``models/common/embeddings/rope_utils.py:get_pos_emb_on_this_cp_rank`` (CP > 1;
       ``pin_memory=True`` + ``.cuda(non_blocking=True)``).
     * ``LanguageModule.setup_embeddings_and_output_layer`` (PP > 1 tied embeddings).
-    * ``tensor_parallel/data.py:broadcast_data``; ``rerun_state_machine`` all-reduces;
+    * ``tensor_parallel/data.py:broadcast_data``; ``rerun_state_machine._reduce_any``;
       ``utils.check_param_hashes_across_dp_replicas``.
     * dist_checkpointing: ``strategies/state_dict_saver.verify_global_md_reuse``,
       ``exchange_utils`` (fully-parallel load/save exchange: ``init_data("cuda")``,
       ``empty_like(device="cuda")``, ``.cuda()``).
-    * ``param_and_grad_buffer`` offload (``pin_memory()``).
+    * ``distributed/param_and_grad_buffer.py`` ``offload_to_cpu`` (``pin_memory()``).
 
     The mode is pushed on the torch-function-mode stack of the thread that applies the shims;
     other threads do not see it, and torch's autograd engine empties that stack while it runs

@@ -113,7 +113,7 @@ def test_tiny_presets(name):
     assert (c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank) == (4, 32, 16)
     assert (c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) == (16, 8, 16)
     assert (c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.intermediate_size) == (8, 2, 32, 128)
-    assert (c.n_shared_experts, c.index_n_heads, c.index_head_dim, c.index_topk) == (1, 4, 16, 16)
+    assert (c.n_shared_experts, c.index_n_heads, c.index_head_dim, c.index_topk) == (1, 8, 16, 16)
     assert c.index_head_dim > c.qk_rope_head_dim
     assert (c.num_nextn_predict_layers, c.pad_token_id, c.rope_theta) == (1, 0, 10000)
     assert c.mlp_layer_types == ["dense", "sparse", "sparse", "sparse"]

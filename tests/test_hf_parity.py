@@ -12,14 +12,15 @@ import megatron_glm5
 from hf_tiny import make_hf_model, save_hf_model
 
 SEQ, BATCH = 48, 2  # > index_topk (16) of the tiny presets
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-indexshare", "tiny-groups"])
 def pair(request, tmp_path_factory):
     hf, cfg = make_hf_model(request.param, seed=7)
     path = save_hf_model(hf, tmp_path_factory.mktemp(request.param))
-    ours = megatron_glm5.from_hf_pretrained(path, dsa_backend="torch")
-    return request.param, hf, ours, cfg
+    ours = megatron_glm5.from_hf_pretrained(path, dsa_backend="torch", device=DEVICE)
+    return request.param, hf.to(DEVICE), ours, cfg
 
 
 def _capture_attention_inputs(model):
@@ -45,14 +46,14 @@ def _hf_index_scores_fp64(indexer, hidden, q_resid, position_embeddings):
     w = ix.weights_proj(hidden.double()) * ix.n_heads ** -0.5
     out = torch.einsum("bsh,bsht->bst", w, scores)
     ix.float()
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=out.device).tril()
     return out.masked_fill(~causal, float("-inf"))
 
 
 def test_logits_and_topk_match_transformers(pair):
     name, hf, ours, cfg = pair
     torch.manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), device=DEVICE)
 
     hf_topk, hf_inputs = {}, {}
     hooks = []
@@ -96,7 +97,7 @@ def test_logits_and_topk_match_transformers(pair):
 def test_hidden_states_match_per_layer(pair):
     name, hf, ours, cfg = pair
     torch.manual_seed(2)
-    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), device=DEVICE)
     theirs, mine = [], []
     hooks = [l.register_forward_hook(lambda m, a, o: theirs.append(o[0] if isinstance(o, tuple) else o) and None)
              for l in hf.model.layers]
@@ -117,7 +118,7 @@ def test_dense_case_when_sequence_fits_topk(pair):
     """seq <= index_topk: every causal key is kept, so DSA is exactly dense MLA."""
     name, hf, ours, cfg = pair
     torch.manual_seed(3)
-    ids = torch.randint(0, cfg.vocab_size, (BATCH, cfg.index_topk))
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, cfg.index_topk), device=DEVICE)
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
         out = ours(ids)
@@ -135,7 +136,7 @@ def test_sparsity_bites_at_this_length(pair):
     """Guard for the tests above: at SEQ the top-k selection changes the logits (dense attention would fail)."""
     name, hf, ours, cfg = pair
     torch.manual_seed(4)
-    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ))
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), device=DEVICE)
     with torch.no_grad():
         sparse = ours(ids)
         ours.config.dsa_stage = "dense-warmup"

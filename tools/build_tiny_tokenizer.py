@@ -59,14 +59,12 @@ CITIES = "Paris Rome Oslo Lima Cairo Tokyo Delhi Quito Bern Riga".split()
 WEATHER = "sunny rainy cloudy windy snowy".split()
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "Answer briefly.", "You are a friendly tutor.",
                   "Reply with short answers."]
-TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                     "required": ["city"]}}},
-    {"type": "function", "function": {"name": "get_time", "description": "Local time in a city.",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                     "required": ["city"]}}},
-]
+TOOLS = {
+    name: {"type": "function", "function": {"name": name, "description": desc,
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+    for name, desc in (("get_weather", "Weather in a city."), ("get_time", "Time in a city."))
+}
 
 
 def _qa(rng: random.Random):
@@ -142,7 +140,7 @@ def _tool_chat(rng: random.Random) -> Dict:
                 {"role": "assistant", "content": answer}]
     if rng.random() < 0.3:
         messages[1]["reasoning_content"] = f"I need {name} for {city}."
-    return {"messages": messages, "tools": TOOLS}
+    return {"messages": messages, "tools": [TOOLS[name]]}
 
 
 def make_chat(rng: random.Random) -> Dict:
@@ -239,18 +237,19 @@ def _training_text(out: str) -> Iterator[str]:
                 if "text" in rec:
                     yield rec["text"]
                     continue
+                # tool chats are rare but long: weight them so that the BPE merges keep them short
+                weight = 20 if rec.get("tools") else 1
                 for tool in rec.get("tools") or []:
-                    yield json.dumps(tool, ensure_ascii=False)
+                    yield from [json.dumps(tool, ensure_ascii=False)] * weight
                 for m in rec["messages"]:
                     for key in ("content", "reasoning_content"):
                         if m.get(key):
-                            yield m[key]
+                            yield from [m[key]] * weight
                     for tc in m.get("tool_calls") or []:
                         yield tc["function"]["name"]
                         for k, v in tc["function"]["arguments"].items():
-                            yield k
-                            yield v
-    yield "# Tools"
+                            yield from [k, v] * weight
+    yield from ["# Tools"] * 500  # the tool block header of the chat template
 
 
 def build_tokenizer(out: str, vocab_size: int = 512) -> str:

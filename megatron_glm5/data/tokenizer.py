@@ -288,6 +288,19 @@ def _load_hf(directory: str, name_or_path: str) -> GLM5Tokenizer:
     return GLM5Tokenizer("hf", hf, name_or_path, template, eod, pad, special_ids)
 
 
+def _sentencepiece_user_defined(model_file: str) -> Dict[str, int]:
+    """USER_DEFINED pieces (always matched whole, like added tokens), read from the model proto when possible."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2 as pb  # needs protobuf
+        proto = pb.ModelProto()
+        with open(model_file, "rb") as f:
+            proto.ParseFromString(f.read())
+    except Exception:  # noqa: BLE001 - optional: GLM control tokens are found by name anyway
+        return {}
+    user_defined = pb.ModelProto.SentencePiece.USER_DEFINED
+    return {p.piece: i for i, p in enumerate(proto.pieces) if p.type == user_defined}
+
+
 def _load_sentencepiece(model_file: str, name_or_path: str) -> GLM5Tokenizer:
     import sentencepiece as spm
 
@@ -298,10 +311,13 @@ def _load_sentencepiece(model_file: str, name_or_path: str) -> GLM5Tokenizer:
         raise TokenizerNotFoundError(f"could not load sentencepiece model {model_file!r}: {e}") from e
     special_ids: Dict[str, int] = {}
     for i in range(sp.get_piece_size()):
-        if sp.is_control(i) or sp.is_user_defined(i):
-            piece = sp.id_to_piece(i)
-            if piece:
-                special_ids[piece] = i
+        if sp.is_control(i):
+            special_ids[sp.id_to_piece(i)] = i
+    for piece in GLM_SPECIAL_TOKENS:
+        i = sp.piece_to_id(piece)
+        if i != sp.unk_id() and sp.id_to_piece(i) == piece:
+            special_ids[piece] = i
+    special_ids.update(_sentencepiece_user_defined(model_file))
     if EOD_TOKEN in special_ids:
         eod = special_ids[EOD_TOKEN]
     elif sp.eos_id() >= 0:

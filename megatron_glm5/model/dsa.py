@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+from megatron_glm5.model.params import param_device
 from megatron_glm5.model.rope import apply_interleaved_rope
 from megatron_glm5.ops import get_backend
 
@@ -37,12 +38,12 @@ class GLM5Indexer(MegatronModule):
         super().__init__(config=config)
         hi, di = config.dsa_index_n_heads, config.dsa_index_head_dim
         self.n_heads, self.head_dim, self.rope_dim = hi, di, config.qk_pos_emb_head_dim
-        dtype = config.params_dtype
-        self.linear_wq_b = torch.nn.Linear(config.q_lora_rank, hi * di, bias=False, dtype=dtype)
-        self.linear_wk = torch.nn.Linear(config.hidden_size, di, bias=False, dtype=dtype)
-        self.k_norm = torch.nn.LayerNorm(di, eps=config.latent_norm_eps, dtype=dtype)
+        dtype, device = config.params_dtype, param_device(config)
+        self.linear_wq_b = torch.nn.Linear(config.q_lora_rank, hi * di, bias=False, dtype=dtype, device=device)
+        self.linear_wk = torch.nn.Linear(config.hidden_size, di, bias=False, dtype=dtype, device=device)
+        self.k_norm = torch.nn.LayerNorm(di, eps=config.latent_norm_eps, dtype=dtype, device=device)
         # transformers keeps weights_proj in fp32 (_keep_in_fp32_modules); so do we.
-        self.linear_weights_proj = torch.nn.Linear(config.hidden_size, hi, bias=False, dtype=torch.float32)
+        self.linear_weights_proj = torch.nn.Linear(config.hidden_size, hi, bias=False, dtype=torch.float32, device=device)
         for lin in (self.linear_wq_b, self.linear_wk, self.linear_weights_proj):
             config.init_method(lin.weight)
         self.softmax_scale = di ** -0.5

@@ -18,6 +18,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron_glm5.model.params import param_device
+
 
 def glm5_topk_routing(logits, expert_bias, topk: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                       scaling_factor: float):
@@ -114,7 +116,7 @@ class GLM5GroupedExperts(MegatronModule):
         if ffn % self.etp:
             raise ValueError(f"--etp {self.etp} does not divide moe_intermediate_size {ffn}")
         self.ffn_local = ffn // self.etp
-        kw = dict(dtype=config.params_dtype, device=None if config.use_cpu_initialization else torch.cuda.current_device())
+        kw = dict(dtype=config.params_dtype, device=param_device(config))
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * self.ffn_local, config.hidden_size, **kw))
         self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, config.hidden_size, self.ffn_local, **kw))
         if config.perform_initialization:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_glm5.model.params import param_device
+
 
 class GLM5RMSNorm(MegatronModule):
     """A megatron-core LayerNormBuilder: ``GLM5RMSNorm(config=, hidden_size=, eps=)``.
@@ -16,7 +18,7 @@ class GLM5RMSNorm(MegatronModule):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool | None = None):
         super().__init__(config=config)
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=param_device(config)))
         sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
         setattr(self.weight, "sequence_parallel", sp)
 
