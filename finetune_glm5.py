@@ -1,7 +1,7 @@
-"""Fine-tune a GLM-5 model (Megatron-style flags; `python finetune_glm5.py --help`)."""
+"""Fine-tune a GLM-5 model. `python finetune_glm5.py` runs the embedded tiny CPU default; see --help and README."""
 import sys
 
+from megatron_glm5.training.entry import main
+
 if __name__ == "__main__":
-    print("megatron-glm5: training arrives in a later issue; the model, its HF parity and the conversion table "
-          "are in place (see README).", file=sys.stderr)
-    sys.exit(1)
+    sys.exit(main("finetune"))

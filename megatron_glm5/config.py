@@ -949,9 +949,9 @@ _TINY_BASE = dict(
     max_position_embeddings=4096,
     initializer_range=0.02,
     rms_norm_eps=1e-5,
-    pad_token_id=0,
+    pad_token_id=0,  # the shipped tiny tokenizer: <|endoftext|> = 0 is eod and pad
     bos_token_id=None,
-    eos_token_id=1,
+    eos_token_id=0,
     tie_word_embeddings=False,
     rope_theta=10000.0,
     index_topk=16,

@@ -282,6 +282,27 @@ def test_single_prefix_gpt_dataset(prefixes, tok, tmp_path):
             assert s["position_ids"][e + 1] == 0
 
 
+def test_jsonl_files_in_a_blend_are_preprocessed_once(prefixes, tok, tmp_path):
+    d, a, b = prefixes
+    src = tmp_path / "b.jsonl"
+    src.write_bytes(open(TINY_PRETRAIN_B, "rb").read())
+    cache = tmp_path / "cache"
+    train = build_pretrain_datasets([(a.prefix, 0.5), (str(src), 0.5)], "90,5,5", seq_length=32,
+                                    num_samples=(200, 10, 10), tokenizer=tok, cache_dir=str(cache))[0]
+    built = sorted(os.listdir(cache / "indexed"))
+    assert len(built) == 2 and built[0].startswith("b-") and built[0].endswith(".bin")
+    with open(cache / "indexed" / built[0], "rb") as f1, open(b.prefix + ".bin", "rb") as f2:
+        assert f1.read() == f2.read()  # same as preprocess_jsonl(..., append_eod=True)
+    counts = collections.Counter(int(train[i]["dataset_id"]) for i in range(len(train)))
+    assert counts[1] == 100
+    mtime = os.path.getmtime(cache / "indexed" / built[1])
+    from megatron_glm5.data.pretrain import ensure_indexed
+
+    prefix = ensure_indexed(str(src), tok, cache_dir=str(cache / "indexed"))
+    assert prefix_is_complete(prefix) and os.path.getmtime(prefix + ".idx") == mtime  # reused
+    assert ensure_indexed(a.prefix, tok) == a.prefix  # prefixes pass through
+
+
 def test_missing_prefix_is_a_clear_error(tmp_path, tok):
     with pytest.raises(DataError, match="no indexed dataset .*tools/preprocess_data.py"):
         build_pretrain_datasets(str(tmp_path / "nothing"), seq_length=8, num_samples=(1, 1, 1), tokenizer=tok)

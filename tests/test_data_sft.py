@@ -9,7 +9,8 @@ import torch
 import megatron_glm5  # noqa: F401  (shims before megatron.core)
 from megatron_glm5.data import TINY_CHAT_TRAIN, TINY_CHAT_VALID
 from megatron_glm5.data.jsonl import DataError
-from megatron_glm5.data.packing import collate_padded, first_fit_bins, make_packed_seq_params, pack_sequences
+from megatron_glm5.data.packing import (collate_padded, concat_packed, first_fit_bins, make_packed_seq_params,
+                                       pack_sequences)
 from megatron_glm5.data.sft import SFTDataset, tokenize_chat
 from megatron_glm5.data.tokenizer import TINY_TOKENIZER_DIR, ChatTemplateError, load_tokenizer
 
@@ -122,6 +123,9 @@ def test_non_incremental_template_is_rejected(tmp_path, tok):
      "has no content, reasoning_content or tool_calls"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "tool_calls": [{}]}]},
      "tool_calls[0] needs function.name"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{city: Paris}"}}]}]},
+     "tool_calls[0].function.arguments is not valid JSON"),
 ])
 def test_bad_records(tmp_path, tok, bad, message):
     good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
@@ -206,8 +210,27 @@ def _docs(lengths, seed=0):
     return out
 
 
+def _naive_first_fit(lengths, capacity):
+    bins, free = [], []
+    for i, n in enumerate(lengths):
+        for b, room in enumerate(free):
+            if n <= room:
+                bins[b].append(i)
+                free[b] -= n
+                break
+        else:
+            bins.append([i])
+            free.append(capacity - n)
+    return bins
+
+
 def test_first_fit():
     assert first_fit_bins([5, 4, 3, 6, 2, 1], 8) == [[0, 2], [1, 4, 5], [3]]
+    assert first_fit_bins([], 8) == [] and first_fit_bins([8], 8) == [[0]]
+    g = torch.Generator().manual_seed(1)
+    for cap in (16, 128):
+        lengths = torch.randint(1, cap + 1, (500,), generator=g).tolist()
+        assert first_fit_bins(lengths, cap) == _naive_first_fit(lengths, cap)
     with pytest.raises(ValueError, match="more than seq_length"):
         first_fit_bins([3, 9], 8)
 
@@ -249,6 +272,17 @@ def test_pack_sequences(tok):
                                                                                   "position_ids", "cu_seqlens"))
     with pytest.raises(ValueError, match="more than seq_length"):
         pack_sequences(_docs([17]), seq, pad_id=0)
+
+
+def test_concat_packed(tok):
+    rows = pack_sequences(_docs([5, 9, 8, 3]), 12, pad_id=tok.pad_id)
+    assert len(rows) == 3
+    mb = concat_packed(rows)
+    assert mb["tokens"].shape == mb["position_ids"].shape == (1, 36)
+    assert mb["cu_seqlens"].tolist() == [0, 5, 8, 12, 21, 24, 32, 36]
+    assert mb["num_docs"] == 4 and mb["doc_index"] == [0, 3, 1, 2]
+    assert torch.equal(mb["labels"][0, 12:24], rows[1]["labels"][0])
+    assert make_packed_seq_params(mb["cu_seqlens"], 36).max_seqlen_q == 9
 
 
 def test_pack_sft_dataset(tok):

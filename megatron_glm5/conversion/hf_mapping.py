@@ -9,7 +9,7 @@ Kinds of rows:
 - ``copy``: one HF tensor is one megatron tensor.
 - ``glu``: megatron's fused gated-MLP fc1 = rows [gate_proj; up_proj].
 - ``experts``: megatron's stacked expert tensor [E, ...] = the E per-expert HF tensors stacked (weight2/down).
-- ``experts_glu``: stacked expert fc1 [E, 2I, H] = per expert rows [gate_proj; up_proj].
+- ``experts_glu``: stacked expert fc1 [E, 2, I, H] = per expert [gate_proj, up_proj].
 - ``tied``: an HF tensor with no megatron tensor of its own (the MTP layer's embed_tokens and shared_head.head
   are the main model's embedding and output layer in megatron-core); exported as copies, checked on import.
 """
@@ -115,7 +115,7 @@ def hf_to_mcore_tensor(row: TensorMapping, hf_tensors: list[torch.Tensor]) -> to
     if row.kind == "experts":
         return torch.stack(hf_tensors, dim=0)
     if row.kind == "experts_glu":
-        return torch.stack([torch.cat(hf_tensors[2 * e:2 * e + 2], dim=0) for e in range(len(hf_tensors) // 2)])
+        return torch.stack([torch.stack(hf_tensors[2 * e:2 * e + 2]) for e in range(len(hf_tensors) // 2)])
     raise ValueError(f"row kind {row.kind!r} has no megatron tensor")
 
 
@@ -128,7 +128,7 @@ def mcore_to_hf_tensors(row: TensorMapping, tensor: torch.Tensor) -> list[torch.
     if row.kind == "experts":
         return list(tensor.unbind(0))
     if row.kind == "experts_glu":
-        return [half for expert in tensor.unbind(0) for half in expert.chunk(2, dim=0)]
+        return [half for expert in tensor.unbind(0) for half in expert.unbind(0)]
     raise ValueError(f"unknown row kind {row.kind!r}")
 
 

@@ -18,9 +18,9 @@ Shipped tiny assets: ``TINY_CHAT_TRAIN`` / ``TINY_CHAT_VALID`` (chat SFT jsonl),
 import os as _os
 
 from megatron_glm5.data.jsonl import DataError, JsonlStats, iter_jsonl, parse_jsonl_line, read_jsonl
-from megatron_glm5.data.packing import collate_padded, make_packed_seq_params, pack_sequences
-from megatron_glm5.data.pretrain import (PreprocessResult, build_pretrain_datasets, ensure_helpers, normalize_blend,
-                                         prefix_is_complete, preprocess_jsonl)
+from megatron_glm5.data.packing import collate_padded, concat_packed, make_packed_seq_params, pack_sequences
+from megatron_glm5.data.pretrain import (PreprocessResult, build_pretrain_datasets, ensure_helpers, ensure_indexed,
+                                         normalize_blend, prefix_is_complete, preprocess_jsonl)
 from megatron_glm5.data.sft import SFTDataset, SFTStats, tokenize_chat, validate_chat_record
 from megatron_glm5.data.tokenizer import (ChatTemplateError, GLM5Tokenizer, TokenizerNotFoundError, load_tokenizer,
                                           ASSETS_DIR, TINY_TOKENIZER_DIR)
@@ -35,9 +35,9 @@ __all__ = [
     "DataError", "JsonlStats", "iter_jsonl", "read_jsonl", "parse_jsonl_line",
     "GLM5Tokenizer", "load_tokenizer", "TokenizerNotFoundError", "ChatTemplateError",
     "PreprocessResult", "preprocess_jsonl", "prefix_is_complete", "normalize_blend", "build_pretrain_datasets",
-    "ensure_helpers",
+    "ensure_helpers", "ensure_indexed",
     "SFTDataset", "SFTStats", "tokenize_chat", "validate_chat_record",
-    "pack_sequences", "collate_padded", "make_packed_seq_params",
+    "pack_sequences", "concat_packed", "collate_padded", "make_packed_seq_params",
     "ASSETS_DIR", "TINY_TOKENIZER_DIR", "TINY_DATA_DIR", "TINY_CHAT_TRAIN", "TINY_CHAT_VALID", "TINY_PRETRAIN_A",
     "TINY_PRETRAIN_B",
 ]

@@ -9,7 +9,8 @@ Packed (:func:`pack_sequences`): whole documents placed greedily first-fit, in t
 with ``cu_seqlens`` (int32 [n_docs + 1], ``cu_seqlens[-1] == seq_length``; the padding tail, if any, is one more
 "document" whose loss_mask is 0).  Position ids restart at 0 in every document, labels are the next token of the
 same document, and the last token of each document has loss_mask 0, so nothing is predicted across documents.
-Feed ``make_packed_seq_params(batch["cu_seqlens"], seq_length)`` to the model.
+Feed ``make_packed_seq_params(batch["cu_seqlens"], seq_length)`` to the model; :func:`concat_packed` joins B
+rows into one [1, B * seq_length] micro-batch.
 
 Padded (:func:`collate_padded`): B documents of at most ``seq_length + 1`` tokens -> ``tokens = ids[:-1]``,
 ``labels = ids[1:]`` padded to [B, seq_length], ``loss_mask`` (0 on padding), ``position_ids = arange``.
@@ -20,7 +21,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["pack_sequences", "collate_padded", "make_packed_seq_params", "first_fit_bins"]
+__all__ = ["pack_sequences", "concat_packed", "collate_padded", "make_packed_seq_params", "first_fit_bins"]
 
 Document = Union[Mapping[str, Any], Sequence[int], torch.Tensor]
 
@@ -47,21 +48,38 @@ def _as_doc(doc: Document, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def first_fit_bins(lengths: Sequence[int], capacity: int) -> List[List[int]]:
-    """Greedy first-fit: document indices per bin, bins in opening order, documents in input order."""
+    """Greedy first-fit: document indices per bin, bins in opening order, documents in input order.
+
+    Each document goes into the first (oldest) bin with room for it, else into a new bin.  A max-tree over the
+    bins' free space finds that bin in O(log n), so large datasets pack quickly.
+    """
+    n_docs = len(lengths)
+    size = 1
+    while size < max(n_docs, 1):
+        size *= 2
+    free = [-1] * (2 * size)  # leaves: free space of bin k at size + k (-1: bin not opened); nodes: max of children
     bins: List[List[int]] = []
-    free: List[int] = []
     for i, n in enumerate(lengths):
+        n = int(n)
         if n > capacity:
             raise ValueError(f"document {i} has {n} tokens, more than seq_length {capacity}: truncate or drop it "
                              f"first (SFTDataset(..., packed=True) keeps documents within seq_length)")
-        for b, room in enumerate(free):
-            if n <= room:
-                bins[b].append(i)
-                free[b] -= n
-                break
+        if free[1] >= n:  # some open bin has room: walk down to the leftmost one
+            node = 1
+            while node < size:
+                node = 2 * node if free[2 * node] >= n else 2 * node + 1
+            k = node - size
+            bins[k].append(i)
         else:
+            k = len(bins)
             bins.append([i])
-            free.append(capacity - n)
+            node = size + k
+            free[node] = capacity
+        free[node] -= n
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
     return bins
 
 
@@ -106,6 +124,25 @@ def pack_sequences(samples: Iterable[Document], seq_length: int, pad_id: int) ->
             "num_docs": len(members),
             "doc_index": list(members),
         })
+    return out
+
+
+def concat_packed(rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Several packed rows (from :func:`pack_sequences`) as one THD micro-batch: ``tokens`` etc. [1, B * S] and
+    ``cu_seqlens`` of all their segments, offset (what megatron-core expects for a micro-batch size B > 1 in THD)."""
+    if not rows:
+        raise ValueError("concat_packed needs at least one packed row")
+    out: Dict[str, Any] = {k: torch.cat([r[k] for r in rows], dim=1)
+                           for k in ("tokens", "labels", "loss_mask", "position_ids")}
+    cus, offset = [torch.zeros(1, dtype=torch.int32)], 0
+    for r in rows:
+        cu = r["cu_seqlens"].to(torch.int32)
+        cus.append(cu[1:] + offset)
+        offset += int(cu[-1])
+    out["cu_seqlens"] = torch.cat(cus)
+    out["max_seqlen"] = max(int(r["max_seqlen"]) for r in rows)
+    out["num_docs"] = sum(int(r["num_docs"]) for r in rows)
+    out["doc_index"] = [i for r in rows for i in r["doc_index"]]
     return out
 
 

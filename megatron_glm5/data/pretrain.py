@@ -15,7 +15,8 @@ Datasets::
                                                  num_samples=(100_000, 1_000, 1_000), tokenizer=tok)
 
 returns megatron-core ``GPTDataset`` (one prefix) or ``BlendedDataset`` (several) splits whose samples hold
-``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (and ``dataset_id`` from a blend).  Works in one process
+``tokens``, ``labels``, ``loss_mask``, ``position_ids`` (and ``dataset_id`` from a blend).  A ``.jsonl`` file may
+stand in for a prefix: :func:`ensure_indexed` preprocesses it once into a cache.  Works in one process
 without ``torch.distributed`` and in a process group (rank 0 builds the index caches first).
 """
 from __future__ import annotations
@@ -44,6 +45,8 @@ __all__ = [
     "normalize_blend",
     "build_pretrain_datasets",
     "ensure_helpers",
+    "ensure_indexed",
+    "default_index_cache_dir",
 ]
 
 logger = logging.getLogger(__name__)
@@ -369,6 +372,57 @@ def preprocess_jsonl(input_path: Union[str, os.PathLike], output_prefix: Union[s
     return result
 
 
+def default_index_cache_dir() -> str:
+    """Where :func:`ensure_indexed` puts prefixes built from jsonl files when no cache_dir is given."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_glm5", "indexed")
+
+
+def ensure_indexed(path_or_prefix: Union[str, os.PathLike], tokenizer: TokenizerLike = None,
+                   cache_dir: Optional[str] = None, json_key: str = "text", workers: int = 1,
+                   skip_bad: bool = False) -> str:
+    """A Megatron prefix for ``path_or_prefix``: a prefix is returned as is; a ``.jsonl`` file is preprocessed once
+    (documents end with eod) into ``cache_dir`` (default :func:`default_index_cache_dir`) under a name keyed by the
+    file's path, size, mtime, the tokenizer and ``json_key``, and later calls reuse it.
+
+    In a torch.distributed process group, rank 0 builds first and the other ranks wait (call it on every rank);
+    across nodes ``cache_dir`` must be on a shared file system (as megatron's index caches must), or preprocess
+    with tools/preprocess_data.py beforehand.
+    """
+    import hashlib
+    import json as _json
+
+    path = os.fspath(path_or_prefix)
+    if not path.endswith(".jsonl"):
+        return path
+    path = check_jsonl_path(path)
+    tok = load_tokenizer(tokenizer)
+    st = os.stat(path)
+    ident = tok.megatron_tokenizer().unique_identifiers
+    key = _json.dumps([os.path.abspath(path), st.st_size, int(st.st_mtime), dict(ident), json_key], sort_keys=True)
+    digest = hashlib.md5(key.encode("utf-8"), usedforsecurity=False).hexdigest()[:12]
+    stem = os.path.splitext(os.path.basename(path))[0]
+    prefix = os.path.join(cache_dir or default_index_cache_dir(), f"{stem}-{digest}")
+
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    error: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            preprocess_jsonl(path, prefix, tok, json_key=json_key, workers=workers, append_eod=True,
+                             skip_bad=skip_bad, progress=False)
+        except BaseException as e:  # noqa: BLE001 - re-raised after the barrier so other ranks do not hang
+            error = e
+    if distributed:
+        dist.barrier()
+        if rank != 0 and not prefix_is_complete(prefix):
+            raise DataError(f"{path}: rank 0 failed to preprocess it into {prefix} (see rank 0's error)", "no_records")
+    if error is not None:
+        raise error
+    return prefix
+
+
 # ---------------------------------------------------------------------------------------------------- datasets
 
 Blend = Union[str, Sequence[Union[str, Tuple[str, float], Tuple[float, str]]], Dict[str, float]]
@@ -431,7 +485,8 @@ def build_pretrain_datasets(prefixes_with_weights: Blend, split: Optional[str] =
     """Train/valid/test datasets (each ``None`` where its split is 0) over a blend of preprocessed prefixes.
 
     ``prefixes_with_weights``: see :func:`normalize_blend`; weights set the share of samples drawn from each
-    prefix (without weights, shares follow dataset sizes).  ``split``: e.g. ``"98,1,1"``, applied to the documents
+    prefix (without weights, shares follow dataset sizes).  A ``.jsonl`` file in place of a prefix is
+    preprocessed first (:func:`ensure_indexed`, into ``cache_dir/indexed``).  ``split``: e.g. ``"98,1,1"``, applied to the documents
     of every prefix.  ``num_samples``: ``(train, valid, test)`` sample counts (``None`` = one epoch; weights need
     counts).  ``tokenizer``: gives the eod id and vocabulary size.  ``cache_dir``: where the index caches go
     (default ``<prefix dir>/cache``).  ``is_built_on_rank``: megatron's callable (default: every rank builds;
@@ -445,6 +500,9 @@ def build_pretrain_datasets(prefixes_with_weights: Blend, split: Optional[str] =
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     prefixes, weights = normalize_blend(prefixes_with_weights)
+    tok = load_tokenizer(tokenizer)
+    prefixes = [ensure_indexed(p, tok, cache_dir=os.path.join(cache_dir, "indexed") if cache_dir else None)
+                for p in prefixes]
     for p in prefixes:
         if not IndexedDataset.exists(p):
             raise DataError(f"{p}: no indexed dataset {p}.bin/{p}.idx; build it with tools/preprocess_data.py "
@@ -452,7 +510,6 @@ def build_pretrain_datasets(prefixes_with_weights: Blend, split: Optional[str] =
     num_samples = list(num_samples)
     if len(num_samples) != 3:
         raise ValueError(f"num_samples must be (train, valid, test), got {num_samples!r}")
-    tok = load_tokenizer(tokenizer)
     with warnings.catch_warnings():
         # megatron's log_single_rank warns in a single process without torch.distributed or RANK: that is fine here
         warnings.filterwarnings("ignore", message="Could not determine rank")

@@ -26,6 +26,7 @@ one position per token).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -76,8 +77,16 @@ def validate_chat_record(record: Mapping[str, Any]) -> None:
                     fn = c.get("function", c) if isinstance(c, dict) else None
                     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
                         bad(f"messages[{i}].tool_calls[{j}] needs function.name")
-                    if not isinstance(fn.get("arguments", {}), (dict, str)):
+                    args = fn.get("arguments", {})
+                    if not isinstance(args, (dict, str)):
                         bad(f"messages[{i}].tool_calls[{j}].function.arguments must be an object or a JSON string")
+                    if isinstance(args, str) and args.strip():
+                        try:
+                            parsed = json.loads(args)
+                        except json.JSONDecodeError as e:
+                            bad(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON ({e.msg})")
+                        if not isinstance(parsed, dict):
+                            bad(f"messages[{i}].tool_calls[{j}].function.arguments must encode an object")
             if not content and not calls and not m.get("reasoning_content"):
                 bad(f"messages[{i}] (assistant) has no content, reasoning_content or tool_calls")
             rc = m.get("reasoning_content")
@@ -192,7 +201,10 @@ class SFTDataset(torch.utils.data.Dataset):
         jstats = JsonlStats()
         for line_no, record in iter_jsonl(self.path, required={"messages": list}, skip_bad=skip_bad, stats=jstats,
                                           validate=validate_chat_record):
-            ids, mask = tokenize_chat(self.tokenizer, record["messages"], record.get("tools"))
+            try:
+                ids, mask = tokenize_chat(self.tokenizer, record["messages"], record.get("tools"))
+            except ChatTemplateError as e:
+                raise ChatTemplateError(f"{self.path}:{line_no}: {e}") from e
             if len(ids) > self.max_tokens:
                 if overlong == "drop":
                     self.stats.dropped_overlong += 1

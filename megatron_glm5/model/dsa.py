@@ -83,7 +83,8 @@ class GLM5SparseAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.backend = get_backend(config.dsa_backend)
         self.tp_group = pg_collection.tp if pg_collection is not None else parallel_state.get_tensor_model_parallel_group()
-        self.last_indexer_loss = None  # mean KL per token of the last training forward (detached), for logging
+        self.last_indexer_loss = None  # mean KL per token of the last training forward (detached)
+        self.kl_log = [0.0, 0]  # (sum of per-forward mean KL, forwards) since the trainer last reset it
 
     def _indexer_loss_enabled(self) -> bool:
         cfg = self.config
@@ -135,5 +136,10 @@ class GLM5SparseAttention(MegatronModule):
                 inputs.key_start, inputs.query_end, indices=indices, head_sum_reduce=self._head_sum_reduce())
             kl = kl_sum / max(n_tokens, 1)
             self.last_indexer_loss = kl.detach()
-            out = MoEAuxLossAutoScaler.apply(out, cfg.dsa_indexer_loss_coeff * kl)
+            self.kl_log[0] = self.kl_log[0] + self.last_indexer_loss  # stays on device: no sync per forward
+            self.kl_log[1] += 1
+            # With per-token loss the trainer divides every gradient by the step's token count (as for the LM
+            # loss, a sum over tokens): hand it the sum here, the mean otherwise.
+            aux = kl_sum if cfg.calculate_per_token_loss else kl
+            out = MoEAuxLossAutoScaler.apply(out, cfg.dsa_indexer_loss_coeff * aux)
         return out

@@ -104,34 +104,56 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, coun
 class GLM5GroupedExperts(MegatronModule):
     """The routed experts of one MoE layer (this rank's ``num_local_experts``).
 
-    weight1 [E_local, 2 * I_local, H]: rows [gate | up] (HF ``experts.gate_up_proj``); weight2 [E_local, H, I_local]
-    (HF ``experts.down_proj``). With expert tensor parallelism each rank holds I_local = I / etp of both gate and up.
+    weight1 [E_local, 2, I_local, H]: [gate, up] (HF ``experts.{e}.gate_proj`` / ``up_proj``); weight2
+    [E_local, H, I_local] (HF ``down_proj``). With expert tensor parallelism (etp) each rank holds I_local = I / etp
+    of gate, up and down; keeping gate/up as their own axis lets checkpoints reshard over etp without reshuffling.
+    Checkpoints name the global tensors [E, 2, I, H] and [E, H, I]: experts shard axis 0 over expert parallelism.
     """
 
     def __init__(self, num_local_experts: int, config, pg_collection=None, name=None):
         super().__init__(config=config)
+        from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+        pg = pg_collection if pg_collection is not None else get_default_pg_collection()
+        self.ep_group, self.etp_group, self.edp_group = pg.ep, pg.expt_tp, pg.expt_dp
         self.num_local_experts = num_local_experts
-        self.etp = pg_collection.expt_tp.size() if pg_collection is not None and pg_collection.expt_tp is not None else 1
+        self.etp = self.etp_group.size() if self.etp_group is not None else 1
         ffn = config.moe_ffn_hidden_size
         if ffn % self.etp:
             raise ValueError(f"--etp {self.etp} does not divide moe_intermediate_size {ffn}")
         self.ffn_local = ffn // self.etp
         kw = dict(dtype=config.params_dtype, device=param_device(config))
-        self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, 2 * self.ffn_local, config.hidden_size, **kw))
+        self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, 2, self.ffn_local, config.hidden_size, **kw))
         self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, config.hidden_size, self.ffn_local, **kw))
         if config.perform_initialization:
             with tensor_parallel.get_cuda_rng_tracker().fork(tensor_parallel.random.get_expert_parallel_rng_tracker_name()):
                 config.init_method(self.weight1)
                 config.output_layer_init_method(self.weight2)
-        for w, dim in ((self.weight1, 1), (self.weight2, 2)):
+        for w, dim in ((self.weight1, 2), (self.weight2, 2)):
             w.allreduce = False  # expert-parallel: gradients reduce over the expert data-parallel group
             tensor_parallel.set_tensor_model_parallel_attributes(w, is_parallel=self.etp > 1, dim=dim, stride=1)
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
         counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
         offsets = torch.tensor(counts, device=permuted_hidden.device).cumsum(0).to(torch.int32)
-        h = grouped_linear(permuted_hidden, self.weight1, offsets, counts)
+        w1 = self.weight1.view(self.num_local_experts, 2 * self.ffn_local, -1)
+        h = grouped_linear(permuted_hidden, w1, offsets, counts)
         gate, up = h.split(self.ffn_local, dim=-1)
         act = F.silu(gate) * up
         act = (act.float() * permuted_probs.float().unsqueeze(-1)).to(act.dtype)
         return grouped_linear(act, self.weight2, offsets, counts), None
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        n = len(sharded_offsets)
+        ep_rank = self.ep_group.rank() if self.ep_group is not None else 0
+        ep_size = self.ep_group.size() if self.ep_group is not None else 1
+        etp_rank = self.etp_group.rank() if self.etp_group is not None else 0
+        replica = (0, 0, self.edp_group.rank() if self.edp_group is not None else 0)
+        out = {}
+        for name, tp_axis in (("weight1", 2), ("weight2", 2)):
+            out[prefix + name] = ShardedTensor.from_rank_offsets(
+                prefix + name, getattr(self, name), *sharded_offsets,
+                (n, ep_rank, ep_size), (n + tp_axis, etp_rank, self.etp),
+                replica_id=replica, prepend_axis_num=n)
+        return out

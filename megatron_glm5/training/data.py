@@ -1,0 +1,110 @@
+"""Training and validation micro-batch streams: deterministic, sharded over data-parallel ranks, resumable.
+
+A stream walks an endless sequence of global sample indices (shuffled per epoch with the run's seed); each
+micro-batch step consumes ``micro_batch_size * dp`` samples and this rank takes its slice. ``consumed`` (stored
+in checkpoints) is the only state, so a resumed run sees exactly the samples the uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import torch
+
+from megatron_glm5.data.jsonl import DataError
+
+log = logging.getLogger("megatron_glm5.data")
+
+
+class MicroBatchStream:
+    def __init__(self, samples, collate, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 consumed: int = 0, shuffle: bool = True):
+        if len(samples) == 0:
+            raise DataError("dataset is empty", "no_records")
+        self.samples, self.collate = samples, collate
+        self.mbs, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+        self.seed, self.shuffle, self.consumed = seed, shuffle, consumed
+        self._perm_epoch, self._perm = None, None
+
+    def _index(self, g: int) -> int:
+        n = len(self.samples)
+        epoch, pos = divmod(g, n)
+        if not self.shuffle:
+            return pos
+        if self._perm_epoch != epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+            self._perm_epoch = epoch
+        return int(self._perm[pos])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        start = self.consumed + self.dp_rank * self.mbs
+        batch = self.collate([self.samples[self._index(g)] for g in range(start, start + self.mbs)])
+        self.consumed += self.mbs * self.dp_size
+        return batch
+
+
+def _to_device(batch: dict, device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
+def _stack_gpt(samples):
+    keys = ("tokens", "labels", "loss_mask", "position_ids")
+    return {k: torch.stack([torch.as_tensor(np.asarray(s[k])) for s in samples]) for k in keys}
+
+
+def build_streams(args, tokenizer, consumed_train: int = 0):
+    """(train stream, valid stream or None) for this rank."""
+    from megatron.core import parallel_state as ps
+
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    seq = args.seq_length
+    if args.mode == "finetune":
+        from megatron_glm5.data.packing import collate_padded, concat_packed, pack_sequences
+        from megatron_glm5.data.sft import SFTDataset
+
+        def load(paths):
+            datasets = [SFTDataset(p, tokenizer, seq, skip_bad=args.skip_bad_samples, overlong=args.overlong,
+                                   packed=args.packing) for p in paths]
+            docs = [d[i] for d in datasets for i in range(len(d))]
+            if args.packing:
+                return pack_sequences(docs, seq, tokenizer.pad_id), concat_packed
+            return docs, lambda rows: collate_padded(rows, seq, tokenizer.pad_id)
+
+        train_samples, collate = load(args.data_blend[0])
+        valid = None
+        if args.valid_data_blend and args.valid_data_blend[0]:
+            valid_samples, vcollate = load(args.valid_data_blend[0])
+            valid = (valid_samples, vcollate)
+        train = MicroBatchStream(train_samples, collate, args.micro_batch_size, dp_rank, dp, args.seed, consumed_train)
+        log.info("SFT: %d training %s, %s", len(train_samples), "packed rows" if args.packing else "samples",
+                 f"{len(valid[0])} validation" if valid else "no validation")
+    else:
+        from megatron_glm5.data.pretrain import build_pretrain_datasets
+
+        gbs = args.global_batch_size
+        eval_runs = (args.train_iters // max(args.eval_interval, 1) + 1) * args.eval_iters
+        paths, weights = args.data_blend
+        blend = list(zip(paths, weights)) if weights else paths
+        train_ds, valid_ds, _ = build_pretrain_datasets(
+            blend, args.split, seq_length=seq, seed=args.seed, tokenizer=tokenizer,
+            num_samples=(args.train_iters * gbs, eval_runs * gbs, None),
+            cache_dir=args.data_cache_path or os.path.join(args.save or "runs", "data_cache"))
+        train = MicroBatchStream(train_ds, _stack_gpt, args.micro_batch_size, dp_rank, dp, args.seed,
+                                 consumed_train, shuffle=False)
+        valid = (valid_ds, _stack_gpt) if valid_ds is not None and len(valid_ds) else None
+    return train, valid
+
+
+def valid_stream(valid, args):
+    """A fresh pass over the same validation micro-batches (comparable across evaluations)."""
+    if valid is None:
+        return None
+    from megatron.core import parallel_state as ps
+
+    samples, collate = valid
+    return MicroBatchStream(samples, collate, args.micro_batch_size, ps.get_data_parallel_rank(),
+                            ps.get_data_parallel_world_size(), args.seed, 0, shuffle=False)

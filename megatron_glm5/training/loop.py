@@ -1,0 +1,234 @@
+"""The training loop behind pretrain_glm5.py and finetune_glm5.py (megatron-core, not megatron.training).
+
+    setup: process groups -> tokenizer -> model chunks (this rank's pipeline stages) -> DDP -> optimizer ->
+           LR schedule -> checkpoint -> data streams
+    each iteration: get_forward_backward_func() runs the pipeline schedule over num_microbatches micro-batches
+           (loss summed over tokens, normalised by the token count across micro-batches and data-parallel ranks
+           in finalize_model_grads, which also updates the routers' expert biases) -> optimizer.step() ->
+           scheduler.step(global batch) -> log / evaluate / save / exit checks
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_glm5 import platform
+from megatron_glm5.training.metrics import StepLogger, TrainingMetrics
+
+log = logging.getLogger("megatron_glm5.train")
+
+
+class _ExitSignal:
+    """Turns the exit signal (SIGTERM, or SLURM's SIGUSR1 warning) into 'save at the end of this step, exit 0'."""
+
+    def __init__(self, name: str):
+        self.received = False
+        signal.signal(getattr(signal, name), self._handler)
+
+    def _handler(self, signum, frame):
+        self.received = True
+        log.warning("received %s: finishing this step, saving, exiting", signal.Signals(signum).name)
+
+    def any_rank(self) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0], device=_device())
+        if dist.is_initialized():
+            dist.all_reduce(flag)
+        return bool(flag.item() > 0)
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def build_model_chunks(args):
+    from megatron.core import parallel_state as ps
+    from megatron_glm5.arguments import args_to_overrides
+    from megatron_glm5.model.model import build_model
+
+    overrides = args_to_overrides(args)
+    if overrides.get("dsa_backend") == "auto":
+        from megatron_glm5.ops import get_backend
+        overrides["dsa_backend"] = get_backend("auto").name
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    chunks = []
+    for stage in range(vpp):
+        vp_stage = stage if vpp > 1 else None
+        model = build_model(args.model_config, mtp=args.mtp, vp_stage=vp_stage, **overrides)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def wrap_ddp(args, chunks):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=False, bucket_size=None)
+    return [DistributedDataParallel(config=m.config, ddp_config=ddp_cfg, module=m,
+                                    disable_bucketing=(i > 0)) for i, m in enumerate(chunks)]
+
+
+def _loss_func(loss_mask, output_tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    n = mask.sum()
+    return loss, n.to(torch.int), {"lm loss": torch.stack([loss.detach(), n.detach()])}
+
+
+def _forward_step(data_iterator, model):
+    from megatron_glm5.data.packing import make_packed_seq_params
+
+    batch = next(data_iterator)
+    device = _device()
+    packed = None
+    if "cu_seqlens" in batch:
+        packed = make_packed_seq_params(batch["cu_seqlens"].to(device), batch["tokens"].shape[1])
+    tokens = batch["tokens"].to(device)
+    output = model(tokens, batch["position_ids"].to(device), None, labels=batch["labels"].to(device),
+                   loss_mask=batch["loss_mask"].to(device), packed_seq_params=packed)
+    return output, partial(_loss_func, batch["loss_mask"].to(device))
+
+
+def _schedule_shape(args):
+    """(seq_length, micro_batch_size) as the pipeline schedule sees activations: packed micro-batches are one
+    THD row of micro_batch_size * seq_length tokens."""
+    if args.mode == "finetune" and args.packing:
+        return args.seq_length * args.micro_batch_size, 1
+    return args.seq_length, args.micro_batch_size
+
+
+def _run_microbatches(args, model, data_iter, forward_only: bool, num_microbatches: int):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    seq, mbs = _schedule_shape(args)
+    fwd_bwd = get_forward_backward_func()
+    return fwd_bwd(forward_step_func=_forward_step, data_iterator=data_iter if len(model) == 1 else [data_iter] * len(model),
+                   model=model, num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=mbs,
+                   forward_only=forward_only)
+
+
+def _reduce_lm_loss(outputs) -> float | None:
+    """Token-weighted mean LM loss of this step over micro-batches and data-parallel ranks (last stage only)."""
+    from megatron.core import parallel_state as ps
+
+    if not outputs:
+        return None
+    total = torch.stack([o["lm loss"] for o in outputs]).sum(0)
+    dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return (total[0] / total[1].clamp(min=1)).item()
+
+
+def evaluate(args, model, valid):
+    from megatron_glm5.training.data import valid_stream
+
+    stream = valid_stream(valid, args)
+    if stream is None:
+        return None
+    for m in model:
+        m.eval()
+    losses = []
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            out = _run_microbatches(args, model, stream, forward_only=True, num_microbatches=args.num_microbatches)
+            losses.append(_reduce_lm_loss(out))
+    for m in model:
+        m.train()
+    losses = [x for x in losses if x is not None]
+    return sum(losses) / len(losses) if losses else None
+
+
+def train(args) -> int:
+    """Run training as configured by parsed and validated ``args``. Returns the process exit code."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron_glm5.data.tokenizer import load_tokenizer
+    from megatron_glm5.errors import UserError
+    from megatron_glm5.training import checkpointing
+    from megatron_glm5.training.data import build_streams
+    from megatron_glm5.training.optim import build_optimizer, build_scheduler
+
+    start_time = time.time()
+    exit_signal = _ExitSignal(args.exit_signal)
+    platform.initialize_model_parallel(
+        tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+        ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
+        cp=args.context_parallel_size, vpp=args.virtual_pipeline_model_parallel_size, seed=args.seed)
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    if tokenizer.vocab_size > args.model_config.vocab_size:
+        raise UserError(f"--tokenizer {args.tokenizer}: vocabulary of {tokenizer.vocab_size} tokens is larger than "
+                        f"the model's vocab_size {args.model_config.vocab_size}")
+
+    model = wrap_ddp(args, build_model_chunks(args))
+    optimizer = build_optimizer(args, model)
+    scheduler = build_scheduler(args, optimizer)
+    config = model[0].module.config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    if args.overlap_grad_reduce and len(model) > 1:
+        config.grad_sync_func = [m.start_grad_sync for m in model]
+
+    iteration, data_state = 0, {}
+    if args.load:
+        resumed = checkpointing.load_checkpoint(args.load, [m.module for m in model], optimizer, scheduler, args)
+        iteration, data_state = resumed["iteration"], resumed["data_state"]
+    train_stream, valid = build_streams(args, tokenizer, consumed_train=data_state.get("consumed_train", 0))
+
+    metrics = TrainingMetrics(args, model)
+    logger = StepLogger(args, metrics)
+    logger.summary(model)
+
+    def save(it):
+        path = checkpointing.save_checkpoint(args.save, it, [m.module for m in model], optimizer, scheduler, args,
+                                             {"consumed_train": train_stream.consumed})
+        log.info("saved checkpoint %s", path)
+
+    if valid is not None and args.eval_interval and iteration == 0:
+        logger.eval(0, evaluate(args, model, valid))
+    for m in model:
+        m.train()
+    exit_code = 0
+    while iteration < args.train_iters:
+        t0 = time.time()
+        for m in model:
+            m.zero_grad_buffer()
+        optimizer.zero_grad()
+        metrics.before_step()
+        outputs = _run_microbatches(args, model, train_stream, forward_only=False,
+                                    num_microbatches=args.num_microbatches)
+        ok, grad_norm, _ = optimizer.step()
+        scheduler.step(increment=args.global_batch_size)
+        iteration += 1
+        lm_loss = _reduce_lm_loss(outputs) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+        logger.step(iteration, lm_loss, grad_norm, ok, time.time() - t0, optimizer)
+
+        if args.eval_interval and valid is not None and iteration % args.eval_interval == 0:
+            logger.eval(iteration, evaluate(args, model, valid))
+        stop = exit_signal.any_rank()
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            stop = True
+        if args.exit_duration_in_mins:
+            elapsed = torch.tensor([(time.time() - start_time) / 60], device=_device())
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            stop = stop or elapsed.item() > args.exit_duration_in_mins
+        if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)
+                          or iteration == args.train_iters):
+            save(iteration)
+        if stop:
+            log.info("exiting at iteration %d", iteration)
+            break
+    if valid is not None and iteration == args.train_iters and args.eval_interval and iteration % args.eval_interval:
+        logger.eval(iteration, evaluate(args, model, valid))
+    logger.close()
+    return exit_code

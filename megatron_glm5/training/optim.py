@@ -1,0 +1,57 @@
+"""Optimizer and learning-rate schedule: megatron-core's, configured from the flags."""
+from __future__ import annotations
+
+import torch
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+
+def build_optimizer(args, model_chunks):
+    cfg = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=False, params_dtype=args.params_dtype,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
+    )
+    return get_megatron_optimizer(cfg, model_chunks)
+
+
+def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
+    """Steps are counted in samples (megatron-core's convention): scheduler.step(global_batch_size) per iteration."""
+    gbs = args.global_batch_size
+    style = {"WSD": "WSD"}.get(args.lr_decay_style, args.lr_decay_style)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False,
+        wsd_decay_steps=(args.lr_wsd_decay_iters * gbs) if style == "WSD" and args.lr_wsd_decay_iters else None,
+        lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None) if style == "WSD" else None,
+    )
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """Give every Adam parameter its (zero) state before loading a checkpoint into it.
+
+    Without TE/Apex, megatron-core's optimizers build the sharded optimizer state dict from torch Adam's state,
+    which is empty before the first step; loading would then find nothing to fill.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p.data)
+                    st["exp_avg_sq"] = torch.zeros_like(p.data)
