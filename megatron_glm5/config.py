@@ -55,11 +55,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import json
 import os
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
@@ -997,32 +994,10 @@ PRESETS: Tuple[str, ...] = tuple(_PRESET_BUILDERS)
 # megatron-core side (lazy)
 # --------------------------------------------------------------------------------------------------------------
 
-_PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
-
-
-def _inline_pre_import_shims() -> None:
-    """Stub megatron's triton-only paged-stash kernels when triton is missing (CPU machines)."""
-    if _PAGED_STASH in sys.modules or importlib.util.find_spec("triton") is not None:
-        return
-
-    def _needs_triton(*_a, **_k):
-        raise RuntimeError("MoE paged stash needs triton, which is not installed")
-
-    stub = types.ModuleType(_PAGED_STASH)
-    stub.GLOBAL_BLOCK_SIZE = 1024
-    stub.paged_stash_copy_kernel = _needs_triton
-    stub.paged_stash_pop_kernel = _needs_triton
-    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
-    sys.modules[_PAGED_STASH] = stub
-
-
 def _apply_pre_import_shims() -> None:
-    try:
-        from megatron_glm5 import platform as _platform  # noqa: PLC0415
+    from megatron_glm5 import platform as _platform  # noqa: PLC0415
 
-        _platform.apply_pre_import_shims()
-    except (ImportError, AttributeError):
-        _inline_pre_import_shims()
+    _platform.apply_pre_import_shims()
 
 
 _TRANSFORMER_CONFIG_CLASS = None

@@ -15,7 +15,6 @@ backward pass with megatron-core's MoEAuxLossAutoScaler (the schedule sets its s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler

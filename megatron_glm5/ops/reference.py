@@ -24,7 +24,7 @@ The last section holds the naive full-matrix oracles used by the tests.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
