@@ -56,6 +56,25 @@ def _stack_gpt(samples):
     return {k: torch.stack([torch.as_tensor(np.asarray(s[k])) for s in samples]) for k in keys}
 
 
+def check_data_paths(args):
+    """Fail fast, before the model is built, on a --data-path / --valid-data-path that names no data (a missing,
+    empty or directory .jsonl; a prefix without .bin/.idx). Contents are checked when the datasets are built."""
+    from megatron_glm5.arguments import ArgumentError
+    from megatron_glm5.data.jsonl import check_jsonl_path
+
+    for flag, blend in (("--data-path", args.data_blend), ("--valid-data-path", args.valid_data_blend)):
+        for path in (blend[0] if blend else []):
+            if args.mode == "pretrain" and not path.endswith(".jsonl"):
+                if not (os.path.isfile(path + ".bin") and os.path.isfile(path + ".idx")):
+                    raise ArgumentError(f"{flag} {path}: neither a .jsonl file nor a Megatron prefix with {path}.bin "
+                                        f"and {path}.idx (build those with tools/preprocess_data.py)", flag=flag)
+                continue
+            try:
+                check_jsonl_path(path)
+            except DataError as e:
+                raise ArgumentError(f"{flag} {e}", flag=flag) from None
+
+
 def build_streams(args, tokenizer, consumed_train: int = 0):
     """(train stream, valid stream or None) for this rank."""
     from megatron.core import parallel_state as ps
@@ -91,7 +110,7 @@ def build_streams(args, tokenizer, consumed_train: int = 0):
         blend = list(zip(paths, weights)) if weights else paths
         train_ds, valid_ds, _ = build_pretrain_datasets(
             blend, args.split, seq_length=seq, seed=args.seed, tokenizer=tokenizer,
-            num_samples=(args.train_iters * gbs, eval_runs * gbs, None),
+            num_samples=(args.train_iters * gbs, eval_runs * gbs, gbs),  # the test split is not used in training
             cache_dir=args.data_cache_path or os.path.join(args.save or "runs", "data_cache"))
         train = MicroBatchStream(train_ds, _stack_gpt, args.micro_batch_size, dp_rank, dp, args.seed,
                                  consumed_train, shuffle=False)
