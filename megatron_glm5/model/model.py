@@ -14,6 +14,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_glm5.model.attention_inputs import build_attention_inputs
+from megatron_glm5.model.block import GLM5TransformerBlock
 from megatron_glm5.model.spec import decoder_block_spec, mtp_block_spec
 
 
@@ -26,6 +27,12 @@ logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropGPTModelD
 
 
 class GLM5Model(GPTModel):
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # GPTModel instantiates megatron-core's TransformerBlock itself; GLM-5's subclass only overrides forward
+        # (recomputation with the AttentionInputs object, model/block.py), so the built block is re-classed.
+        self.decoder.__class__ = GLM5TransformerBlock
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, *args, **kwargs):
         """GPTModel.forward; ``position_ids`` default to 0..s-1 and the attention mask is not needed (GLM-5's

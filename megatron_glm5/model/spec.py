@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
@@ -16,13 +17,14 @@ from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlockSubmodules,
-    MultiTokenPredictionLayer,
     MultiTokenPredictionLayerSubmodules,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from megatron_glm5.errors import UserError
+from megatron_glm5.model.block import GLM5MTPLayer
 from megatron_glm5.model.dsa import GLM5SparseAttention
 from megatron_glm5.model.mla import GLM5MLASelfAttention
 from megatron_glm5.model.moe import GLM5GroupedExperts, GLM5Router
@@ -92,12 +94,41 @@ def decoder_layer_specs(config) -> list[ModuleSpec]:
     return specs
 
 
+class IndexShareAcrossStagesError(UserError, NotImplementedError):
+    """A pipeline stage would need the top-k of a full-indexer layer that runs on an earlier stage."""
+
+
+def _check_index_share_within_stage(config, offset: int, n: int, vp_stage, pp_rank):
+    """Each model chunk builds its own AttentionInputs (and IndexShare store) per forward, so a 'shared' layer
+    must find its full layer in the same chunk. Passing top-k indices between pipeline stages is not
+    implemented yet: refuse such a split when the model is built, not in the middle of the first forward."""
+    types = config.dsa_indexer_types
+    for i in range(offset, offset + n):
+        if types[i] != "shared":
+            continue
+        src = index_source_layer(types, i)
+        if src < offset:
+            if pp_rank is None:
+                pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            where = f"pipeline stage {pp_rank}" + (f" (virtual stage {vp_stage})" if vp_stage is not None else "")
+            raise IndexShareAcrossStagesError(
+                f"--pp {config.pipeline_model_parallel_size}"
+                + (f" --vpp {config.virtual_pipeline_model_parallel_size}"
+                   if config.virtual_pipeline_model_parallel_size else "")
+                + f": {where} holds layers {offset}..{offset + n - 1} (0-based, as in indexer_types), and layer {i} "
+                f"is an IndexShare ('shared') layer that reuses the top-k of full layer {src} on an earlier stage; sharing top-k across "
+                "pipeline stages is not supported yet. Split the layers so that every stage starts with a 'full' "
+                "indexer layer (--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers, "
+                "or another --pp / --vpp)")
+
+
 def decoder_block_spec(config, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    _check_index_share_within_stage(config, offset, n, vp_stage, pp_rank)
     return TransformerBlockSubmodules(layer_specs=decoder_layer_specs(config)[offset:offset + n],
                                       layer_norm=GLM5RMSNorm)
 
@@ -105,7 +136,7 @@ def decoder_block_spec(config, vp_stage=None, pp_rank=None) -> TransformerBlockS
 def mtp_block_spec(config) -> MultiTokenPredictionBlockSubmodules | None:
     if not config.mtp_num_layers:
         return None
-    mtp_layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+    mtp_layer = ModuleSpec(module=GLM5MTPLayer, submodules=MultiTokenPredictionLayerSubmodules(
         enorm=GLM5RMSNorm, hnorm=GLM5RMSNorm, eh_proj=ColumnParallelLinear,
         mtp_model_layer=layer_spec(moe=config.num_moe_experts is not None, index_mode="full",
                                    store_key=MTP_STORE_KEY),

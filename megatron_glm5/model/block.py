@@ -1,0 +1,89 @@
+"""Activation recomputation that carries GLM-5's per-forward AttentionInputs.
+
+megatron-core's full recomputation passes the layers' inputs through ``tensor_parallel.checkpoint``, which saves
+them with ``save_for_backward`` — tensors only — while GLM-5's attention inputs (RoPE, windows, IndexShare
+store) travel as an object in the ``rotary_pos_emb`` slot. These subclasses checkpoint only the hidden states and
+capture everything else in the recomputed closure, like megatron-core does for packed_seq_params.
+
+Recomputed DSA layers are exact: top-k is deterministic, so a full layer writes the same indices again and shared
+layers read the entry of their own forward; losses attached in forward (indexer KL, MoE aux) are computed once,
+in the recomputation (the first pass runs without grad).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.utils import make_viewless_tensor
+
+
+class GLM5TransformerBlock(TransformerBlock):
+
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        cfg = self.config
+        if not (cfg.recompute_granularity == "full" and self.training):
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        if args:
+            raise TypeError("GLM5TransformerBlock takes its optional inputs as keywords")
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        layer_kwargs = dict(attention_mask=attention_mask, rotary_pos_emb=kwargs.get("rotary_pos_emb"),
+                            packed_seq_params=kwargs.get("packed_seq_params"),
+                            padding_mask=kwargs.get("padding_mask"))
+        rng = tensor_parallel.get_cuda_rng_tracker().fork() if cfg.sequence_parallel else nullcontext()
+        with rng:
+            hidden_states = self._recomputed_layers(hidden_states, layer_kwargs)
+        if self.final_layernorm is not None:
+            hidden_states = self.final_layernorm(hidden_states)
+            hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        if not self.pre_process and len(self.layers) == 0 and not self.final_layernorm:
+            hidden_states = hidden_states.clone()
+        return hidden_states
+
+    def _recomputed_layers(self, hidden_states, layer_kwargs):
+        cfg = self.config
+        n_layers, n = len(self.layers), cfg.recompute_num_layers or 1
+
+        def run(start, end):
+            def forward(x):
+                for layer in self.layers[start:end]:
+                    x, _ = layer(hidden_states=x, **layer_kwargs)
+                return x
+            return forward
+
+        if cfg.recompute_method == "uniform":
+            for start in range(0, n_layers, n):
+                hidden_states = tensor_parallel.checkpoint(
+                    run(start, min(start + n, n_layers)), cfg.distribute_saved_activations, hidden_states)
+        elif cfg.recompute_method == "block":
+            for i in range(n_layers):
+                if i < n:
+                    hidden_states = tensor_parallel.checkpoint(run(i, i + 1), cfg.distribute_saved_activations,
+                                                               hidden_states)
+                else:
+                    hidden_states = run(i, i + 1)(hidden_states)
+        else:
+            raise ValueError(f"--recompute-method must be uniform or block, got {cfg.recompute_method!r}")
+        return hidden_states
+
+
+class GLM5MTPLayer(MultiTokenPredictionLayer):
+    """megatron-core's MTP layer; its full recomputation checkpoints tensors only (see the module doc)."""
+
+    def _checkpointed_forward(self, hidden_states, decoder_input, attention_mask=None, padding_mask=None,
+                              context=None, context_mask=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                              rotary_pos_sin=None, attention_bias=None, inference_params=None,
+                              packed_seq_params=None, sequence_len_offset=None):
+        def forward(h, e):
+            return self._proj_and_transformer_layer(
+                hidden_states=h, decoder_input=e, attention_mask=attention_mask, padding_mask=padding_mask,
+                context=context, context_mask=context_mask, rotary_pos_emb=rotary_pos_emb,
+                rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin, attention_bias=attention_bias,
+                inference_params=inference_params, packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset)
+
+        return tensor_parallel.checkpoint(forward, self.config.distribute_saved_activations, hidden_states,
+                                          decoder_input)
