@@ -21,6 +21,7 @@ def _loss_and_grads(**recompute):
     dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
     dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
     dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
+    dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp", "shared_experts"]),
 ])
 def test_full_recompute_matches(recompute):
     ref_loss, ref = _loss_and_grads()
@@ -30,3 +31,20 @@ def test_full_recompute_matches(recompute):
     assert any(".indexer." in n for n in grads) and any(n.startswith("mtp.") for n in grads)
     for n in ref:
         torch.testing.assert_close(grads[n], ref[n], rtol=1e-6, atol=1e-9, msg=n)
+
+
+def test_unsupported_selective_module_is_refused():
+    megatron_glm5.initialize_model_parallel()
+    with pytest.raises(ValueError, match="mla_up_proj"):
+        build_model(GLM5Config.from_preset("tiny"), recompute_granularity="selective", recompute_modules=["mla_up_proj"])
+
+
+def test_layernorm_recompute_without_te_is_refused():
+    try:
+        import transformer_engine  # noqa: F401
+        pytest.skip("Transformer Engine installed: megatron-core's layernorm recompute works")
+    except ImportError:
+        pass
+    megatron_glm5.initialize_model_parallel()
+    with pytest.raises(ValueError, match="layernorm needs Transformer Engine"):
+        build_model(GLM5Config.from_preset("tiny"), recompute_granularity="selective", recompute_modules=["layernorm"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -37,6 +38,16 @@ from megatron_glm5.model.rope import apply_interleaved_rope
 
 
 class GLM5MLASelfAttention(MLASelfAttention):
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        selective = config.recompute_granularity == "selective"
+        modules = config.recompute_modules or []
+        if selective and "mla_up_proj" in modules:
+            raise ValueError("--recompute-modules mla_up_proj: not supported by GLM-5's absorbed MLA (the sparse "
+                             "attention keeps its query for backward anyway); use core_attn or full recomputation")
+        # core_attn: recompute the DSA core (indexer + sparse attention) in backward instead of keeping its state
+        self.recompute_core_attention = selective and "core_attn" in modules
 
     def _tp_size(self) -> int:
         return self.pg_collection.tp.size() if self.pg_collection.tp is not None else 1
@@ -89,7 +100,12 @@ class GLM5MLASelfAttention(MLASelfAttention):
         q_abs = torch.cat([q_lat, q_rope], dim=-1)
 
         to_tokens = lambda t: t.transpose(0, 1).reshape(b * s, *t.shape[2:])
-        out_lat = self.core_attention(to_tokens(q_abs), to_tokens(kv), x.detach(), q_resid.detach(), inputs)
+        core = lambda q_, kv_, x_, qr_: self.core_attention(q_, kv_, x_, qr_, inputs)
+        core_args = (to_tokens(q_abs), to_tokens(kv), x.detach(), q_resid.detach())
+        if self.recompute_core_attention and self.training:
+            out_lat = tensor_parallel.checkpoint(core, False, *core_args)
+        else:
+            out_lat = core(*core_args)
         out = torch.einsum("thc,hvc->thv", out_lat, w_uv)  # [T, h, v]
         out = out.reshape(b, s, h * dv).transpose(0, 1).contiguous()
         return self.linear_proj(out)

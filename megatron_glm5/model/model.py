@@ -54,6 +54,18 @@ class GLM5Model(GPTModel):
         return tuple(out)
 
 
+def _check_selective_recompute(cfg) -> None:
+    """megatron-core 0.19.2's CheckpointWithoutOutput sets ``fp8 = fp8 is not None`` (always true) and then needs
+    Transformer Engine, so the selective modules built on it fail without TE; refuse them with a clear message."""
+    if cfg.recompute_granularity != "selective" or "layernorm" not in (cfg.recompute_modules or []):
+        return
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        raise ValueError("--recompute-modules layernorm needs Transformer Engine with megatron-core 0.19.2 "
+                         "(its CheckpointWithoutOutput always takes the FP8 path); drop it or use full recompute") from None
+
+
 def build_model(config, *, pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
                 vp_stage: Optional[int] = None, mtp: Optional[bool] = None, **overrides) -> GLM5Model:
     """Build GLM-5 for this rank's pipeline stage.
@@ -75,6 +87,7 @@ def build_model(config, *, pre_process: Optional[bool] = None, post_process: Opt
         if overrides:
             raise TypeError("overrides are only accepted with a GLM5Config")
         tcfg = config
+    _check_selective_recompute(tcfg)
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
