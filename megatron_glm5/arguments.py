@@ -214,6 +214,9 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
                    help="train the multi-token-prediction layer (default: on when the model config has one)")
     g.add_argument("--mtp-loss-scaling-factor", type=_nonneg_float, default=0.1, metavar="X",
                    help="weight of the MTP loss")
+    g.add_argument("--mtp-steps", type=_pos_int, default=1, metavar="N",
+                   help="apply the (single) MTP module N times, predicting N tokens ahead with shared weights "
+                        "(the GLM-5 report trains with 3); default 1")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", "--tp", type=_pos_int, default=1, metavar="N",
@@ -1006,6 +1009,11 @@ def args_to_overrides(args: argparse.Namespace) -> Dict[str, Any]:
         overrides["moe_router_dtype"] = args.moe_router_dtype
     if args.mtp is False:
         overrides["mtp_num_layers"] = None
+    elif args.mtp_steps > 1:
+        if args.model_config.num_nextn_predict_layers != 1:
+            raise ArgumentError("--mtp-steps needs a model with exactly one MTP module (num_nextn_predict_layers 1)",
+                                flag="--mtp-steps")
+        overrides.update(mtp_num_layers=args.mtp_steps, mtp_use_repeated_layer=True)
     return overrides
 
 

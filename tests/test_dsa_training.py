@@ -62,3 +62,22 @@ def test_topk_is_bitwise_deterministic():
     assert torch.equal(first, second)
     a, b = stores[0].topk_store, stores[1].topk_store
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_repeated_mtp_layer_shares_its_topk_over_steps():
+    """GLM-5's one MTP module applied for 3 steps (one set of weights); with index_share_for_mtp_iteration the
+    later steps reuse the first step's top-k, and only the first step trains the MTP indexer."""
+    megatron_glm5.initialize_model_parallel(seed=2)
+    cfg = GLM5Config.from_preset("tiny-indexshare")  # index_share_for_mtp_iteration = True
+    model = build_model(cfg, mtp_num_layers=3, mtp_use_repeated_layer=True, dsa_indexer_loss_coeff=0.5).train()
+    assert len(model.mtp.layers) == 1
+    calls = []
+    indexer = model.mtp.layers[0].mtp_model_layer.self_attention.core_attention.indexer
+    indexer.register_forward_hook(lambda m, a, o: calls.append(1) and None)
+    seen = []
+    model.mtp.layers[0].mtp_model_layer.self_attention.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["rotary_pos_emb"].mtp_step), with_kwargs=True)
+    ids = torch.randint(0, cfg.vocab_size, (1, SEQ + 1))
+    model(ids[:, :-1], labels=ids[:, 1:]).float().mean().backward()
+    assert seen == [0, 1, 2] and len(calls) == 1
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in indexer.parameters())

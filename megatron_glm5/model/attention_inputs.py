@@ -30,6 +30,9 @@ class AttentionInputs:
     query_end: torch.Tensor  # [T] int64
     # IndexShare: megatron layer_number of a full-indexer layer -> its top-k indices [T, topk] (int32, -1 unused)
     topk_store: dict = field(default_factory=dict)
+    # MTP: which application of the (repeated) MTP layer this is; the counter is shared by the per-step copies
+    mtp_step: int = 0
+    mtp_counter: list = field(default_factory=lambda: [0])
 
     @property
     def num_tokens(self) -> int:

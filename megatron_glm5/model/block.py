@@ -11,6 +11,7 @@ in the recomputation (the first pass runs without grad).
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 from megatron.core import tensor_parallel
@@ -71,7 +72,17 @@ class GLM5TransformerBlock(TransformerBlock):
 
 
 class GLM5MTPLayer(MultiTokenPredictionLayer):
-    """megatron-core's MTP layer; its full recomputation checkpoints tensors only (see the module doc)."""
+    """megatron-core's MTP layer; its full recomputation checkpoints tensors only (see the module doc), and each
+    application gets its own copy of the AttentionInputs with its step number (the IndexShare store is shared),
+    so later steps of a repeated MTP layer can reuse the first step's top-k (index_share_for_mtp_iteration)."""
+
+    def forward(self, *args, **kwargs):
+        inputs = kwargs.get("rotary_pos_emb")
+        if inputs is not None:
+            step = inputs.mtp_counter[0]
+            inputs.mtp_counter[0] += 1
+            kwargs["rotary_pos_emb"] = dataclasses.replace(inputs, mtp_step=step)
+        return super().forward(*args, **kwargs)
 
     def _checkpointed_forward(self, hidden_states, decoder_input, attention_mask=None, padding_mask=None,
                               context=None, context_mask=None, rotary_pos_emb=None, rotary_pos_cos=None,

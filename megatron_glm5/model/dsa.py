@@ -24,6 +24,7 @@ from megatron_glm5.model.rope import apply_interleaved_rope
 from megatron_glm5.ops import get_backend
 
 DSA_STAGES = ("dense-warmup", "sparse")
+MTP_STORE_KEY = "mtp"  # where the MTP layer's indexer leaves its top-k
 
 
 class GLM5Indexer(MegatronModule):
@@ -112,7 +113,12 @@ class GLM5SparseAttention(MegatronModule):
         topk = min(cfg.dsa_index_topk, window)
 
         indices = None
-        if self.indexer is not None and (sparse or with_loss):
+        if (self.indexer is not None and cfg.dsa_mtp_indexer_shared and self.store_key == MTP_STORE_KEY
+                and inputs.mtp_step > 0 and sparse):
+            # index_share_for_mtp_iteration: later steps of the (repeated) MTP layer reuse the first step's top-k
+            with_loss = False
+            indices = inputs.topk_store[self.store_key]
+        elif self.indexer is not None and (sparse or with_loss):
             with torch.set_grad_enabled(with_loss):
                 q_idx, k_idx, w_idx = self.indexer(x, q_resid, inputs.cos, inputs.sin)
             if sparse:

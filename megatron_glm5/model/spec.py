@@ -25,13 +25,10 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from megatron_glm5.errors import UserError
 from megatron_glm5.model.block import GLM5MTPLayer
-from megatron_glm5.model.dsa import GLM5SparseAttention
+from megatron_glm5.model.dsa import MTP_STORE_KEY, GLM5SparseAttention
 from megatron_glm5.model.mla import GLM5MLASelfAttention
 from megatron_glm5.model.moe import GLM5GroupedExperts, GLM5Router
 from megatron_glm5.model.norm import GLM5RMSNorm, latent_rms_norm
-
-MTP_STORE_KEY = "mtp"
-
 
 def index_source_layer(indexer_types, layer_index: int) -> int:
     """0-based index of the full-indexer layer whose top-k layer ``layer_index`` uses (itself if full)."""
@@ -141,4 +138,7 @@ def mtp_block_spec(config) -> MultiTokenPredictionBlockSubmodules | None:
         mtp_model_layer=layer_spec(moe=config.num_moe_experts is not None, index_mode="full",
                                    store_key=MTP_STORE_KEY),
         layer_norm=GLM5RMSNorm))
-    return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer] * config.mtp_num_layers)
+    # GLM-5 has one MTP module; training may apply it for several steps (mtp_use_repeated_layer: one set of
+    # weights, mtp_num_layers applications), as the GLM-5 report does with 3.
+    n = 1 if config.mtp_use_repeated_layer else config.mtp_num_layers
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer] * n)

@@ -157,7 +157,7 @@ class StepLogger:
             # the same scalars at full precision, one JSON object per report (tests and scripts read this)
             self.jsonl = open(os.path.join(args.tensorboard_dir, "metrics.jsonl"), "a")
         tokens = args.global_batch_size * args.seq_length
-        mtp = args.model_config.num_nextn_predict_layers if args.mtp else 0
+        mtp = args.mtp_steps if args.mtp and args.model_config.num_nextn_predict_layers else 0
         self.tokens_per_step = tokens
         self.flops_per_step = training_flops_per_token(args.model_config, args.seq_length,
                                                        sparse=args.dsa_stage == "sparse", mtp_layers=mtp) * tokens
