@@ -88,6 +88,9 @@ def build_model(config, *, pre_process: Optional[bool] = None, post_process: Opt
             raise TypeError("overrides are only accepted with a GLM5Config")
         tcfg = config
     _check_selective_recompute(tcfg)
+    if tcfg.moe_token_dispatcher_type == "hybridep":
+        raise ValueError("--dispatcher hybridep (the hierarchical intra-/inter-node dispatcher) is not in this "
+                         "release yet; use --dispatcher alltoall (the same routing and numbers)")
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
