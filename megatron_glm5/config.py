@@ -855,38 +855,13 @@ def _safe_resolve(d: Mapping[str, Any], n: int) -> Optional[List[str]]:
 # Presets
 # --------------------------------------------------------------------------------------------------------------
 
+# The released GLM-5 sizes are transformers' GlmMoeDsaConfig defaults (_HF_DEFAULTS); the released configs differ
+# in the token ids and carry one MTP layer. max_position_embeddings and the IndexShare keys are set per version.
 _GLM5_BASE = dict(
-    vocab_size=154880,
-    hidden_size=6144,
-    intermediate_size=12288,
-    moe_intermediate_size=2048,
-    num_hidden_layers=78,
-    num_attention_heads=64,
-    num_key_value_heads=64,
-    n_shared_experts=1,
-    n_routed_experts=256,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=512,
-    q_lora_rank=2048,
-    qk_rope_head_dim=64,
-    v_head_dim=256,
-    qk_nope_head_dim=192,
-    n_group=1,
-    topk_group=1,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    hidden_act="silu",
-    initializer_range=0.02,
-    rms_norm_eps=1e-5,
+    {k: v for k, v in _HF_DEFAULTS.items()
+     if k not in ("max_position_embeddings", "bos_token_id", "index_share_for_mtp_iteration", "moe_router_dtype")},
     pad_token_id=154820,
     eos_token_id=[154820, 154827, 154829],
-    tie_word_embeddings=False,
-    attention_bias=False,
-    attention_dropout=0.0,
-    index_topk=2048,
-    index_head_dim=128,
-    index_n_heads=32,
-    first_k_dense_replace=3,
     num_nextn_predict_layers=1,
 )
 

@@ -44,27 +44,20 @@ class TrainingMetrics:
         self.routers = [m for c in model_chunks for m in c.modules() if isinstance(m, GLM5Router)]
         self._load = []  # per-step expert load imbalance since the last report
         self.steps = 0  # steps since the last report (trackers accumulate over them)
-        config = model_chunks[0].module.config
-        inner = config.finalize_model_grads_func
+        self._installed = False
+
+    def install(self):
+        """Snapshot routers' token counts just before finalize_model_grads consumes them (bias update)."""
+        if self._installed:
+            return
+        cfg = self.chunks[0].module.config
+        inner = cfg.finalize_model_grads_func
 
         def finalize_with_stats(*a, **kw):
             self._snapshot_expert_load()
             return inner(*a, **kw)
-        self._wrap_target = config
-        self._inner_finalize = inner
-        self._finalize_with_stats = finalize_with_stats
-
-    def install(self):
-        """Snapshot routers' token counts just before finalize_model_grads consumes them (bias update)."""
-        cfg = self._wrap_target
-        if cfg.finalize_model_grads_func is not self._finalize_with_stats:
-            inner = cfg.finalize_model_grads_func
-
-            def finalize_with_stats(*a, **kw):
-                self._snapshot_expert_load()
-                return inner(*a, **kw)
-            self._finalize_with_stats = finalize_with_stats
-            cfg.finalize_model_grads_func = finalize_with_stats
+        cfg.finalize_model_grads_func = finalize_with_stats
+        self._installed = True
 
     def before_step(self):
         self.steps += 1
