@@ -19,7 +19,10 @@ Tensor parallelism (heads split over TP ranks) — all communication of this mod
 - the replicated tensors that feed per-head math (q_resid and the [latent | k_rope] key) pass through
   copy_to_tensor_model_parallel_region, whose backward sums their gradients over TP. megatron-core's own
   non-TE MLA misses this for k_rope (its gradient only reflects the local heads when TP > 1); here the shared
-  key's gradient is summed like the latent's, by construction.
+  key's gradient is summed like the latent's, by construction. The q/kv latent norms sit before that sum, so
+  their weight gradients are complete on every TP rank (norm.latent_rms_norm keeps megatron-core's
+  finalize_model_grads from summing q_layernorm's over TP a second time).
+Tested against one process, gradient by gradient: tests/test_layouts_cpu.py.
 """
 from __future__ import annotations
 

@@ -32,5 +32,15 @@ class GLM5RMSNorm(MegatronModule):
 
 
 def latent_rms_norm(config, hidden_size: int, eps: float = None) -> GLM5RMSNorm:
-    """Builder for MLA's q_a / kv_a norms: GLM-5's own eps (1e-6, not rms_norm_eps), applied to full sequences."""
-    return GLM5RMSNorm(config, hidden_size, eps=config.latent_norm_eps, sequence_parallel=False)
+    """Builder for MLA's q_a / kv_a norms: GLM-5's own eps (1e-6, not rms_norm_eps), applied to full sequences.
+
+    GLM5MLASelfAttention applies them to the full, TP-replicated latents and sums the gradients of their outputs
+    over TP (copy_to_tensor_model_parallel_region), so every TP rank already holds the complete weight gradient.
+    megatron-core's finalize_model_grads would still SUM the grads of parameters named ``*q_layernorm*`` over TP
+    (``config.qk_layernorm``; meant for its own MLA, whose q norm sees a sequence-parallel shard) and so double
+    q_layernorm's gradient at TP2. ``average_gradients_across_tp_domain`` takes precedence there: averaging equal
+    gradients leaves them unchanged.
+    """
+    norm = GLM5RMSNorm(config, hidden_size, eps=config.latent_norm_eps, sequence_parallel=False)
+    norm.weight.average_gradients_across_tp_domain = True
+    return norm

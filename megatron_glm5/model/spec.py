@@ -113,10 +113,10 @@ def _check_index_share_within_stage(config, offset: int, n: int, vp_stage, pp_ra
                 + (f" --vpp {config.virtual_pipeline_model_parallel_size}"
                    if config.virtual_pipeline_model_parallel_size else "")
                 + f": {where} holds layers {offset}..{offset + n - 1} (0-based, as in indexer_types), and layer {i} "
-                f"is an IndexShare ('shared') layer that reuses the top-k of full layer {src} on an earlier stage; sharing top-k across "
-                "pipeline stages is not supported yet. Split the layers so that every stage starts with a 'full' "
-                "indexer layer (--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers, "
-                "or another --pp / --vpp)")
+                f"is an IndexShare ('shared') layer that reuses the top-k of full layer {src} on an earlier stage; "
+                "sharing top-k across pipeline stages is not supported yet. Split the layers so that every stage "
+                "starts with a 'full' indexer layer (--decoder-first-pipeline-num-layers / "
+                "--decoder-last-pipeline-num-layers, or another --pp / --vpp)")
 
 
 def decoder_block_spec(config, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
