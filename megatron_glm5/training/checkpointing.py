@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 import shutil
 
@@ -89,10 +90,27 @@ def _restore_rng(rng: dict):
     tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
 
 
+def trainable_of(args) -> str:
+    """Which parameters the optimizer holds (its state in a checkpoint covers exactly these)."""
+    if args.dsa_stage == "dense-warmup":
+        return "indexer-only"  # the warm-up trains the lightning indexers alone
+    return "all-but-indexer" if args.freeze_indexer else "all"
+
+
 def layout_of(args) -> dict:
     return {k: getattr(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                            "expert_model_parallel_size", "expert_tensor_parallel_size",
                                            "context_parallel_size", "data_parallel_size")}
+
+
+def _in_process_results_queue():
+    """dist_checkpointing's writer returns its results through a multiprocessing Manager queue that the first
+    save creates: a spawned server process per rank (seconds to start) that only an asynchronous save needs.
+    Our saves are synchronous (the writer threads run in this process), so an in-process queue serves."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, args, data_state: dict) -> str:
@@ -113,7 +131,8 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     state["data_state"] = data_state
     state["rng_state"] = _rng_sharded_object()
     state["glm5"] = {"format_version": FORMAT_VERSION, "model_config": args.model_config.to_hf(),
-                     "layout": layout_of(args), "mode": args.mode}
+                     "layout": layout_of(args), "mode": args.mode, "trainable": trainable_of(args)}
+    _in_process_results_queue()
     dist_checkpointing.save(state, partial)
     _barrier()
     if _rank0():
@@ -138,6 +157,24 @@ def _check_same_model(meta: dict, args, path: str):
         if field in saved and saved[field] != current.get(field):
             raise CheckpointMismatch(f"--load {path}: checkpoint has {field}={saved[field]!r} but the model "
                                      f"(--preset/--hf-config) has {current.get(field)!r}")
+
+
+def _check_model_tensors(model_sd: dict, path: str):
+    """Every tensor of this model must be in the checkpoint (say which is not, instead of dist_checkpointing's
+    KeyError listing the whole checkpoint)."""
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = load_tensors_metadata(path)
+    missing = sorted({t.key for t in nested_values(model_sd) if isinstance(t, ShardedTensor) and t.key not in saved})
+    if not missing:
+        return
+    hint = ""
+    if all(k.startswith("mtp.") for k in missing):
+        hint = " (it was saved without the MTP layer: pass --no-mtp)"
+    raise CheckpointMismatch(f"--load {path}: the checkpoint lacks {len(missing)} tensor(s) of this model, e.g. "
+                             f"{missing[0]}{hint}")
 
 
 def resolve_load_dir(load: str) -> tuple[str, int | None]:
@@ -167,7 +204,15 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
     finetune = args.finetune
     state = _model_sharded_state(model_chunks)
     model_sd = state["model"] if "model" in state else dict(state)
-    load_optim = not finetune and not args.no_load_optim
+    _check_model_tensors(model_sd, path)
+    load_optim = load_sched = not finetune and not args.no_load_optim
+    saved_trainable = common.get("glm5", {}).get("trainable", trainable_of(args))
+    if load_optim and saved_trainable != trainable_of(args):
+        # e.g. --dsa-stage dense-warmup -> sparse: the checkpoint's optimizer state covers other parameters
+        log.warning("the checkpoint's optimizer state is for %s parameters, this run trains %s (--dsa-stage / "
+                    "--freeze-indexer changed): the optimizer state starts fresh; weights, iteration, LR schedule, "
+                    "RNG and data position are restored", saved_trainable, trainable_of(args))
+        load_optim = False
     same_layout = common.get("glm5", {}).get("layout") == layout_of(args)
     load_rng = not finetune and not args.no_load_rng and same_layout
     if load_optim:
@@ -186,6 +231,7 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
         return {"iteration": 0, "data_state": {}}
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
+    if load_sched:
         scheduler.load_state_dict(loaded["scheduler"])
     if load_rng:
         _restore_rng(loaded["rng_state"])

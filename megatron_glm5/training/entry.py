@@ -23,6 +23,8 @@ def main(mode: str, argv=None) -> int:
     with main_guard():
         args = parse_args(argv, mode=mode)
         validate_args(args)
+        from megatron_glm5.training.data import check_data_paths
+        check_data_paths(args)
         import warnings
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
         warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -55,15 +55,31 @@ def build_model_chunks(args):
     if overrides.get("dsa_backend") == "auto":
         from megatron_glm5.ops import get_backend
         overrides["dsa_backend"] = get_backend("auto").name
+    warmup = args.dsa_stage == "dense-warmup"
+    if warmup:  # the warm-up trains the indexers alone: the routers' expert bias stays as loaded, too
+        overrides["moe_router_bias_update_rate"] = 0.0
     vpp = args.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for stage in range(vpp):
         vp_stage = stage if vpp > 1 else None
         model = build_model(args.model_config, mtp=args.mtp, vp_stage=vp_stage, **overrides)
+        if warmup:
+            _train_only_indexers(model)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def _train_only_indexers(model):
+    """--dsa-stage dense-warmup: freeze everything but the lightning indexers (trained by their KL loss alone),
+    before DDP and the optimizer collect the trainable parameters."""
+    from megatron_glm5.model.dsa import GLM5Indexer
+
+    keep = {id(p) for m in model.modules() if isinstance(m, GLM5Indexer) for p in m.parameters()}
+    for p in model.parameters():
+        if id(p) not in keep:
+            p.requires_grad_(False)
 
 
 def wrap_ddp(args, chunks):
