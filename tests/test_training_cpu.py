@@ -60,11 +60,13 @@ def resume_runs(tmp_path_factory):
     """{mode: runs A, B and C} for finetune and pretrain, each mode in its own directory. The four independent
     runs A and B go at once, then the two runs C (the machine has at least 2 cores; each run uses one)."""
     roots = {mode: tmp_path_factory.mktemp(f"resume_{mode}") for mode in ("finetune", "pretrain")}
-    first = run_entries([(mode, RESUME_FLAGS + extra, roots[mode]) for mode in roots for extra in
+    # pretraining runs with the distributed optimizer, so its resume covers the sharded optimizer state too
+    flags = {"finetune": RESUME_FLAGS, "pretrain": RESUME_FLAGS + ["--use-distributed-optimizer"]}
+    first = run_entries([(mode, flags[mode] + extra, roots[mode]) for mode in roots for extra in
                          (["--save", "A", "--peak-tflops", str(PEAK_TFLOPS)], ["--save", "B", "--exit-interval", "6"])])
     for proc in first:
         check_ok(proc)
-    second = run_entries([(mode, RESUME_FLAGS + ["--load", "B", "--save", "C"], roots[mode]) for mode in roots])
+    second = run_entries([(mode, flags[mode] + ["--load", "B", "--save", "C"], roots[mode]) for mode in roots])
     for proc in second:
         check_ok(proc)
     return {mode: SimpleNamespace(root=roots[mode], a=first[2 * i], b=first[2 * i + 1], c=second[i])

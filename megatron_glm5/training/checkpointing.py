@@ -25,6 +25,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_glm5.errors import UserError
+from megatron_glm5.training.optim import ensure_optimizer_state
 
 log = logging.getLogger("megatron_glm5.checkpoint")
 LATEST = "latest_checkpointed_iteration.txt"
@@ -216,6 +217,7 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
     same_layout = common.get("glm5", {}).get("layout") == layout_of(args)
     load_rng = not finetune and not args.no_load_rng and same_layout
     if load_optim:
+        ensure_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=True, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     if load_rng:

@@ -9,8 +9,8 @@
 """
 from __future__ import annotations
 
+import itertools
 import logging
-import os
 import signal
 import time
 from functools import partial
@@ -128,7 +128,9 @@ def _run_microbatches(args, model, data_iter, forward_only: bool, num_microbatch
 
     seq, mbs = _schedule_shape(args)
     fwd_bwd = get_forward_backward_func()
-    return fwd_bwd(forward_step_func=_forward_step, data_iterator=data_iter if len(model) == 1 else [data_iter] * len(model),
+    # with virtual pipeline stages every model chunk walks the same micro-batches through its own iterator
+    iterators = data_iter if len(model) == 1 else list(itertools.tee(data_iter, len(model)))
+    return fwd_bwd(forward_step_func=_forward_step, data_iterator=iterators,
                    model=model, num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=mbs,
                    forward_only=forward_only)
 
@@ -173,6 +175,9 @@ def train(args) -> int:
     from megatron_glm5.training.data import build_streams
     from megatron_glm5.training.optim import build_optimizer, build_scheduler
 
+    from megatron_glm5 import mcore_fixes
+
+    mcore_fixes.apply()
     start_time = time.time()
     exit_signal = _ExitSignal(args.exit_signal)
     platform.initialize_model_parallel(
