@@ -179,3 +179,85 @@ def mcore_to_hf(mc_state: Mapping[str, torch.Tensor], cfg, include_mtp: bool = T
             raise KeyError(f"megatron state dict lacks {key}")
         out.update(zip(row.hf, mcore_to_hf_tensors(row, mc_state[key])))
     return out
+
+
+# ---------------------------------------------------------------- where each HF tensor lies (streaming converters)
+@dataclass(frozen=True)
+class Placement:
+    """Where one HF tensor sits inside its row's megatron tensor.
+
+    The HF tensor of shape ``S`` is the block ``mcore[index + (row_offset : row_offset + S[0],) + (:,) * ...]``,
+    i.e. ``len(index)`` leading unit axes followed by the HF tensor itself, with its first axis shifted by
+    ``row_offset``. Rows ``[r0, r1)`` of the HF tensor are therefore the megatron block at
+    ``offsets = index + (row_offset + r0, 0, ...)`` of sizes ``(1,) * len(index) + (r1 - r0,) + S[1:]``.
+    Streaming converters move data HF tensor by HF tensor (or row block by row block) through these.
+    """
+    hf: str
+    index: tuple[int, ...]
+    row_offset: int
+
+    def mcore_block(self, hf_shape, r0: int = 0, r1: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(offsets, sizes) in the megatron tensor of HF rows [r0, r1) (whole tensor by default)."""
+        hf_shape = tuple(hf_shape)
+        r1 = hf_shape[0] if r1 is None else r1
+        offsets = self.index + (self.row_offset + r0,) + (0,) * (len(hf_shape) - 1)
+        sizes = (1,) * len(self.index) + (r1 - r0,) + hf_shape[1:]
+        return offsets, sizes
+
+
+def hf_placements(row: TensorMapping, hf_shapes) -> list[Placement]:
+    """One Placement per HF tensor of ``row`` (same order as ``row.hf``); ``hf_shapes`` their shapes.
+
+    Agrees with :func:`hf_to_mcore_tensor`: writing each HF tensor into its block rebuilds the megatron tensor.
+    """
+    if row.kind in ("copy", "tied"):
+        return [Placement(row.hf[0], (), 0)]
+    if row.kind == "glu":
+        return [Placement(row.hf[0], (), 0), Placement(row.hf[1], (), int(hf_shapes[0][0]))]
+    if row.kind == "experts":
+        return [Placement(k, (e,), 0) for e, k in enumerate(row.hf)]
+    if row.kind == "experts_glu":
+        return [Placement(k, (i // 2, i % 2), 0) for i, k in enumerate(row.hf)]
+    raise ValueError(f"unknown row kind {row.kind!r}")
+
+
+def mcore_shape_from_hf(row: TensorMapping, hf_shapes) -> tuple[int, ...]:
+    """Global shape of the row's megatron tensor given its HF tensors' shapes."""
+    first = tuple(int(d) for d in hf_shapes[0])
+    if row.kind in ("copy", "tied"):
+        return first
+    if row.kind == "glu":
+        return (sum(int(s[0]) for s in hf_shapes),) + first[1:]
+    if row.kind == "experts":
+        return (len(row.hf),) + first
+    if row.kind == "experts_glu":
+        return (len(row.hf) // 2, 2) + first
+    raise ValueError(f"unknown row kind {row.kind!r}")
+
+
+def hf_shapes_from_mcore(row: TensorMapping, mcore_shape) -> list[tuple[int, ...]]:
+    """Shapes of the row's HF tensors given its megatron tensor's global shape (inverse of mcore_shape_from_hf)."""
+    shape = tuple(int(d) for d in mcore_shape)
+    if row.kind in ("copy", "tied"):
+        return [shape]
+    if row.kind == "glu":
+        if shape[0] % 2:
+            raise ValueError(f"gated fc1 {row.mcore} has an odd first dimension {shape}")
+        return [(shape[0] // 2,) + shape[1:]] * 2
+    if row.kind == "experts":
+        return [shape[1:]] * len(row.hf)
+    if row.kind == "experts_glu":
+        return [shape[2:]] * len(row.hf)
+    raise ValueError(f"unknown row kind {row.kind!r}")
+
+
+def mcore_checkpoint_key(state_key: str) -> str:
+    """The key megatron-core's ``sharded_state_dict()`` gives a state-dict tensor (what torch_dist stores).
+
+    Equal to the state-dict key except inside MTP layers, whose decoder layer is the attribute ``mtp_model_layer``
+    but is checkpointed under the name ``transformer_layer``.
+    """
+    head, sep, tail = state_key.partition(".mtp_model_layer.")
+    if sep and head.startswith("mtp.layers."):
+        return f"{head}.transformer_layer.{tail}"
+    return state_key

@@ -47,7 +47,6 @@ def _device():
 
 
 def build_model_chunks(args):
-    from megatron.core import parallel_state as ps
     from megatron_glm5.arguments import args_to_overrides
     from megatron_glm5.model.model import build_model
 
