@@ -1,0 +1,14 @@
+#!/usr/bin/env python
+"""HF GLM-5 checkpoint -> megatron-core torch_dist checkpoint (streaming, any layout). See docs/conversion.md.
+
+    python tools/convert_hf_to_megatron.py --help
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_glm5.conversion.cli import hf_to_megatron_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(hf_to_megatron_main())

@@ -1,0 +1,14 @@
+#!/usr/bin/env python
+"""Compare an HF directory with a torch_dist checkpoint: all tensors, and logits. See docs/conversion.md.
+
+    python tools/verify_conversion.py --help
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_glm5.conversion.cli import verify_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(verify_main())
