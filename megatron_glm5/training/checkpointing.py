@@ -203,6 +203,9 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
     common = dist_checkpointing.load_common_state_dict(path)
     _check_same_model(common.get("glm5"), args, path)
     finetune = args.finetune
+    if not finetune and common.get("glm5", {}).get("mode") == "converted":
+        log.info("--load %s is a converted HF checkpoint (weights only): loading it as with --finetune", path)
+        finetune = True
     state = _model_sharded_state(model_chunks)
     model_sd = state["model"] if "model" in state else dict(state)
     _check_model_tensors(model_sd, path)
