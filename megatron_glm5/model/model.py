@@ -88,6 +88,9 @@ def build_model(config, *, pre_process: Optional[bool] = None, post_process: Opt
             raise TypeError("overrides are only accepted with a GLM5Config")
         tcfg = config
     _check_selective_recompute(tcfg)
+    if tcfg.context_parallel_size > 1:
+        raise ValueError("--cp: context parallelism with DSA (keys gathered across CP ranks, top-k in global "
+                         "positions) is not in this release yet; use --cp 1")
     if tcfg.moe_token_dispatcher_type == "hybridep":
         raise ValueError("--dispatcher hybridep (the hierarchical intra-/inter-node dispatcher) is not in this "
                          "release yet; use --dispatcher alltoall (the same routing and numbers)")
