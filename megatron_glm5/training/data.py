@@ -93,6 +93,9 @@ def build_streams(args, tokenizer, consumed_train: int = 0):
                 return pack_sequences(docs, seq, tokenizer.pad_id), concat_packed
             return docs, lambda rows: collate_padded(rows, seq, tokenizer.pad_id)
 
+        if args.data_blend[1] is not None:
+            raise DataError("--data-path: blend weights are for pretraining prefixes; for fine-tuning list the jsonl "
+                            "files (every sample is used once per epoch)", "bad_flag")
         train_samples, collate = load(args.data_blend[0])
         valid = None
         if args.valid_data_blend and args.valid_data_blend[0]:
@@ -106,12 +109,20 @@ def build_streams(args, tokenizer, consumed_train: int = 0):
 
         gbs = args.global_batch_size
         eval_runs = (args.train_iters // max(args.eval_interval, 1) + 1) * args.eval_iters
-        paths, weights = args.data_blend
-        blend = list(zip(paths, weights)) if weights else paths
+        cache = args.data_cache_path or os.path.join(args.save or "runs", "data_cache")
+
+        def blend_of(paths_weights):
+            paths, weights = paths_weights
+            return list(zip(paths, weights)) if weights else paths
+
         train_ds, valid_ds, _ = build_pretrain_datasets(
-            blend, args.split, seq_length=seq, seed=args.seed, tokenizer=tokenizer,
+            blend_of(args.data_blend), args.split, seq_length=seq, seed=args.seed, tokenizer=tokenizer,
             num_samples=(args.train_iters * gbs, eval_runs * gbs, gbs),  # the test split is not used in training
-            cache_dir=args.data_cache_path or os.path.join(args.save or "runs", "data_cache"))
+            cache_dir=cache)
+        if args.valid_data_blend and args.valid_data_blend[0]:  # --valid-data-path replaces the --split share
+            _, valid_ds, _ = build_pretrain_datasets(
+                blend_of(args.valid_data_blend), "0,100,0", seq_length=seq, seed=args.seed, tokenizer=tokenizer,
+                num_samples=(gbs, eval_runs * gbs, gbs), cache_dir=cache)
         train = MicroBatchStream(train_ds, _stack_gpt, args.micro_batch_size, dp_rank, dp, args.seed,
                                  consumed_train, shuffle=False)
         valid = (valid_ds, _stack_gpt) if valid_ds is not None and len(valid_ds) else None
