@@ -11,7 +11,7 @@ def _loss_and_grads(**recompute):
     megatron_glm5.initialize_model_parallel(seed=11)
     model = build_model(GLM5Config.from_preset("tiny-indexshare"), dsa_indexer_loss_coeff=0.1, **recompute).train()
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, model.config.vocab_size, (2, 41), generator=g)
+    ids = torch.randint(0, model.config.vocab_size, (2, 41), generator=g).to(model.output_layer.weight.device)
     loss = model(ids[:, :-1], labels=ids[:, 1:]).float().mean()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -30,7 +30,9 @@ def test_full_recompute_matches(recompute):
     assert grads.keys() == ref.keys()
     assert any(".indexer." in n for n in grads) and any(n.startswith("mtp.") for n in grads)
     for n in ref:
-        torch.testing.assert_close(grads[n], ref[n], rtol=1e-6, atol=1e-9, msg=n)
+        # CPU: same up to reassociation; CUDA's embedding / index_add backward use atomics (order varies)
+        tol = dict(rtol=1e-5, atol=1e-8) if ref[n].is_cuda else dict(rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(grads[n], ref[n], msg=n, **tol)
 
 
 def test_unsupported_selective_module_is_refused():
