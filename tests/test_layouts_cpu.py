@@ -246,21 +246,23 @@ def test_gradients_match_single_process(grad_reference, layout):
 
 def test_pipeline_stage_starting_with_a_shared_indexer_layer_is_refused_clearly():
     """tiny-indexshare is F S F S: PP2 keeps each shared layer with its full layer; PP4 (or PP2 x VPP2) would give
-    stage 1 a shared layer whose top-k is computed on stage 0, which is not implemented: refused at build time."""
+    stage 1 a shared layer whose top-k is computed on stage 0, which is not implemented: refused before the model
+    is built, by every rank alike (check_pipeline_split looks at all stages)."""
     from megatron_glm5.config import GLM5Config
     from megatron_glm5.errors import UserError
-    from megatron_glm5.model.spec import decoder_block_spec
+    from megatron_glm5.model.spec import check_pipeline_split, decoder_block_spec
 
     cfg = GLM5Config.from_preset("tiny-indexshare")
     assert list(cfg.indexer_types) == ["full", "shared", "full", "shared"]
     pp2 = cfg.to_transformer_config(pipeline_model_parallel_size=2)
+    check_pipeline_split(pp2)
     assert [len(decoder_block_spec(pp2, pp_rank=r).layer_specs) for r in range(2)] == [2, 2]
     pp4 = cfg.to_transformer_config(pipeline_model_parallel_size=4)
-    decoder_block_spec(pp4, pp_rank=0)
     with pytest.raises(UserError, match=r"--pp 4: pipeline stage 1 .* layer 1 is an IndexShare .* full layer 0"):
-        decoder_block_spec(pp4, pp_rank=1)
+        check_pipeline_split(pp4)
     vpp = cfg.to_transformer_config(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
     with pytest.raises(UserError, match=r"--pp 2 --vpp 2: pipeline stage 1 \(virtual stage 0\)"):
-        decoder_block_spec(vpp, pp_rank=1, vp_stage=0)
+        check_pipeline_split(vpp)
     tiny = GLM5Config.from_preset("tiny").to_transformer_config(pipeline_model_parallel_size=4)
+    check_pipeline_split(tiny)
     assert all(len(decoder_block_spec(tiny, pp_rank=r).layer_specs) == 1 for r in range(4))

@@ -15,7 +15,7 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_glm5.model.attention_inputs import build_attention_inputs
 from megatron_glm5.model.block import GLM5TransformerBlock
-from megatron_glm5.model.spec import decoder_block_spec, mtp_block_spec
+from megatron_glm5.model.spec import check_pipeline_split, decoder_block_spec, mtp_block_spec
 
 
 class _DropGPTModelDeprecation(logging.Filter):
@@ -88,6 +88,7 @@ def build_model(config, *, pre_process: Optional[bool] = None, post_process: Opt
             raise TypeError("overrides are only accepted with a GLM5Config")
         tcfg = config
     _check_selective_recompute(tcfg)
+    check_pipeline_split(tcfg)
     if tcfg.context_parallel_size > 1:
         raise ValueError("--cp: context parallelism with DSA (keys gathered across CP ranks, top-k in global "
                          "positions) is not in this release yet; use --cp 1")

@@ -119,13 +119,26 @@ def _check_index_share_within_stage(config, offset: int, n: int, vp_stage, pp_ra
                 "--decoder-last-pipeline-num-layers, or another --pp / --vpp)")
 
 
-def decoder_block_spec(config, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
+def _stage_layers(config, vp_stage, pp_rank) -> tuple[int, int]:
     from megatron.core.transformer.transformer_block import get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    _check_index_share_within_stage(config, offset, n, vp_stage, pp_rank)
+    return (get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank),
+            get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+
+
+def check_pipeline_split(config) -> None:
+    """Check every (pipeline stage, virtual stage) of the layout, so that every rank reports the same error
+    (a rank checking only its own stage would leave the others hanging in a collective)."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    for pp_rank in range(config.pipeline_model_parallel_size):
+        for vp_stage in (range(vpp) if vpp else [None]):
+            offset, n = _stage_layers(config, vp_stage, pp_rank)
+            _check_index_share_within_stage(config, offset, n, vp_stage, pp_rank)
+
+
+def decoder_block_spec(config, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:
+    offset, n = _stage_layers(config, vp_stage, pp_rank)
     return TransformerBlockSubmodules(layer_specs=decoder_layer_specs(config)[offset:offset + n],
                                       layer_norm=GLM5RMSNorm)
 
