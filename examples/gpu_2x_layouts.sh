@@ -12,5 +12,5 @@ python pretrain_glm5.py "${COMMON[@]}" --train-iters 1 --lr 0 --min-lr 0 --lr-wa
 for layout in "1gpu:1:" "tp2:2:--tp 2" "ep2:2:--ep 2"; do
   name=${layout%%:*}; rest=${layout#*:}; n=${rest%%:*}; flags=${rest#*:}
   torchrun --nproc-per-node "$n" pretrain_glm5.py "${COMMON[@]}" $flags --train-iters "${ITERS:-20}" \
-    --load "$OUT/init" --finetune --save "$OUT/$name" --save-interval 100000 --tensorboard-dir "$OUT/$name/tensorboard"
+    --load "$OUT/init" --finetune --no-save --tensorboard-dir "$OUT/$name/tensorboard"
 done
