@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT_DIR:-runs/layouts}
 COMMON=(--hf-config examples/proxy2/config.json --bf16 --seq-length 4096 --micro-batch-size 1 --global-batch-size 2
         --lr 1e-4 --min-lr 1e-5 --lr-warmup-iters 2 --log-interval 1 --eval-interval 100000 --attn torch --no-mtp
-        --seed 7)
+        --seed 7 --use-distributed-optimizer)
 python pretrain_glm5.py "${COMMON[@]}" --train-iters 1 --lr 0 --min-lr 0 --lr-warmup-iters 0 --save "$OUT/init"
 for layout in "1gpu:1:" "tp2:2:--tp 2" "ep2:2:--ep 2"; do
   name=${layout%%:*}; rest=${layout#*:}; n=${rest%%:*}; flags=${rest#*:}
