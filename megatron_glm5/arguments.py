@@ -1004,6 +1004,8 @@ def args_to_overrides(args: argparse.Namespace) -> Dict[str, Any]:
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         calculate_per_token_loss=True,
+        # megatron-core's bf16 optimizers need one parameter dtype (fp32 master copies are kept for all)
+        fp32_router_and_indexer_weights=not args.bf16,
     )
     if args.moe_router_dtype is not None:
         overrides["moe_router_dtype"] = args.moe_router_dtype

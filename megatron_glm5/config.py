@@ -1020,6 +1020,10 @@ def transformer_config_class():
         """eps of q_a / kv_a RMSNorms and of the indexer k_norm LayerNorm (transformers hard-codes 1e-6)."""
         moe_norm_topk_prob: bool = True
         """Normalise the selected sigmoid scores to sum 1 before routed_scaling_factor."""
+        fp32_router_and_indexer_weights: bool = True
+        """Keep the router weight and the indexer's weights_proj in fp32 whatever params_dtype is (transformers'
+        choice; right for inference). Training turns it off: megatron-core's bf16 optimizers need one parameter
+        dtype (they keep fp32 master copies of every parameter anyway, and the router computes in fp32)."""
 
         def __post_init__(self):
             super().__post_init__()

@@ -15,6 +15,7 @@ backward pass with megatron-core's MoEAuxLossAutoScaler (the schedule sets its s
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -42,8 +43,10 @@ class GLM5Indexer(MegatronModule):
         self.linear_wq_b = torch.nn.Linear(config.q_lora_rank, hi * di, bias=False, dtype=dtype, device=device)
         self.linear_wk = torch.nn.Linear(config.hidden_size, di, bias=False, dtype=dtype, device=device)
         self.k_norm = torch.nn.LayerNorm(di, eps=config.latent_norm_eps, dtype=dtype, device=device)
-        # transformers keeps weights_proj in fp32 (_keep_in_fp32_modules); so do we.
-        self.linear_weights_proj = torch.nn.Linear(config.hidden_size, hi, bias=False, dtype=torch.float32, device=device)
+        # transformers keeps weights_proj in fp32 (_keep_in_fp32_modules); so do we, except in training (see
+        # GLM5TransformerConfig.fp32_router_and_indexer_weights). Its product is computed in fp32 either way.
+        wdtype = torch.float32 if config.fp32_router_and_indexer_weights else dtype
+        self.linear_weights_proj = torch.nn.Linear(config.hidden_size, hi, bias=False, dtype=wdtype, device=device)
         for lin in (self.linear_wq_b, self.linear_wk, self.linear_weights_proj):
             config.init_method(lin.weight)
         self.softmax_scale = di ** -0.5
@@ -56,7 +59,7 @@ class GLM5Indexer(MegatronModule):
         r = self.rope_dim
         q = torch.cat([apply_interleaved_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
         k = torch.cat([apply_interleaved_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        w = self.linear_weights_proj(x.to(torch.float32)) * (self.n_heads ** -0.5)
+        w = F.linear(x.to(torch.float32), self.linear_weights_proj.weight.float()) * (self.n_heads ** -0.5)
         to_tokens = lambda t: t.transpose(0, 1).reshape(b * s, *t.shape[2:])
         return to_tokens(q), to_tokens(k), to_tokens(w)
 

@@ -47,8 +47,9 @@ class GLM5Router(TopKRouter):
 
     def reset_parameters(self):
         super().reset_parameters()
-        # GLM-5 keeps the router weight in fp32 whatever the model dtype (HF: _keep_in_fp32_modules_strict).
-        self.weight.data = self.weight.data.to(torch.float32)
+        # transformers keeps the router weight in fp32 whatever the model dtype (_keep_in_fp32_modules_strict)
+        if self.config.fp32_router_and_indexer_weights:
+            self.weight.data = self.weight.data.to(torch.float32)
 
     def routing(self, logits: torch.Tensor, padding_mask=None):
         cfg = self.config
