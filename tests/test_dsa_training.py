@@ -84,3 +84,30 @@ def test_repeated_mtp_layer_shares_its_topk_over_steps():
     model(ids[:, :-1], labels=ids[:, 1:]).float().mean().backward()
     assert seen == [0, 1, 2] and len(calls) == 1
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in indexer.parameters())
+
+
+def test_dsa_chunk_size_reaches_the_ops_and_does_not_change_results():
+    megatron_glm5.initialize_model_parallel(seed=4)
+    model = build_model(GLM5Config.from_preset("tiny"), mtp=False, dsa_chunk_size=7).eval()
+    ids = torch.randint(0, model.config.vocab_size, (BATCH, SEQ)).to(model.output_layer.weight.device)
+    backend = model.decoder.layers[0].self_attention.core_attention.backend
+    seen = []
+    originals = {name: getattr(backend, name) for name in ("indexer_topk", "sparse_mla")}
+
+    def spy(name):
+        def call(*a, **kw):
+            seen.append((name, kw.get("chunk_size")))
+            return originals[name](*a, **kw)
+        return call
+    with torch.no_grad():
+        for name in originals:
+            setattr(backend, name, spy(name))
+        try:
+            chunked = model(ids)
+        finally:
+            for name, fn in originals.items():
+                setattr(backend, name, fn)
+        model.config.dsa_chunk_size = 1024
+        whole = model(ids)
+    assert seen and all(c == 7 for _, c in seen)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)

@@ -28,6 +28,7 @@ class AttentionInputs:
     sin: torch.Tensor
     key_start: torch.Tensor  # [T] int64
     query_end: torch.Tensor  # [T] int64
+    max_window: int  # the longest window (keys of one query); computed once per forward, not per layer
     # IndexShare: megatron layer_number of a full-indexer layer -> its top-k indices [T, topk] (int32, -1 unused)
     topk_store: dict = field(default_factory=dict)
     # MTP: which application of the (repeated) MTP layer this is; the counter is shared by the per-step copies
@@ -64,4 +65,5 @@ def build_attention_inputs(
             raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed sequence has {s} tokens")
         doc = torch.searchsorted(cu, t, right=True) - 1
         key_start = cu[doc]
-    return AttentionInputs(cos=cos, sin=sin, key_start=key_start, query_end=t)
+    max_window = int((t - key_start).max()) + 1 if t.numel() else 0
+    return AttentionInputs(cos=cos, sin=sin, key_start=key_start, query_end=t, max_window=max_window)

@@ -112,8 +112,7 @@ class GLM5SparseAttention(MegatronModule):
         cfg = self.config
         sparse = cfg.dsa_stage == "sparse"
         with_loss = self._indexer_loss_enabled()
-        window = int((inputs.query_end - inputs.key_start).max()) + 1
-        topk = min(cfg.dsa_index_topk, window)
+        topk = min(cfg.dsa_index_topk, inputs.max_window)
 
         indices = None
         if (self.indexer is not None and cfg.dsa_mtp_indexer_shared and self.store_key == MTP_STORE_KEY
@@ -127,7 +126,7 @@ class GLM5SparseAttention(MegatronModule):
             if sparse:
                 indices = self.backend.indexer_topk(
                     q_idx.detach(), k_idx.detach(), w_idx.detach(), topk, inputs.key_start, inputs.query_end,
-                    self.indexer.softmax_scale)
+                    self.indexer.softmax_scale, chunk_size=cfg.dsa_chunk_size)
                 inputs.topk_store[self.store_key] = indices
         elif self.indexer is None and sparse:
             if self.source_key not in inputs.topk_store:
@@ -137,11 +136,13 @@ class GLM5SparseAttention(MegatronModule):
             indices = inputs.topk_store[self.source_key]
 
         out, _lse = self.backend.sparse_mla(q, kv, indices, self.softmax_scale, cfg.kv_lora_rank,
-                                            key_start=inputs.key_start, query_end=inputs.query_end)
+                                            key_start=inputs.key_start, query_end=inputs.query_end,
+                                            chunk_size=cfg.dsa_chunk_size)
         if with_loss:
             kl_sum, n_tokens = self.backend.indexer_kl_loss(
                 q_idx, k_idx, w_idx, self.indexer.softmax_scale, q.detach(), kv.detach(), self.softmax_scale,
-                inputs.key_start, inputs.query_end, indices=indices, head_sum_reduce=self._head_sum_reduce())
+                inputs.key_start, inputs.query_end, indices=indices, head_sum_reduce=self._head_sum_reduce(),
+                chunk_size=cfg.dsa_chunk_size)
             kl = kl_sum / max(n_tokens, 1)
             self.last_indexer_loss = kl.detach()
             self.kl_log[0] = self.kl_log[0] + self.last_indexer_loss  # stays on device: no sync per forward
