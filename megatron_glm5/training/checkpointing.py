@@ -231,11 +231,15 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
         if missing:
             raise CheckpointMismatch(f"--load {path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
+    if load_optim:
+        optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        # bf16/fp16 optimizers keep fp32 main copies of the parameters, made when the optimizer was built (from the
+        # random initialisation); without this the first step would copy them back over the loaded weights.
+        optimizer.reload_model_params()
     if finetune:
         log.info("loaded weights from %s (--finetune: optimizer, schedule and data position start fresh)", path)
         return {"iteration": 0, "data_state": {}}
-    if load_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
     if load_sched:
         scheduler.load_state_dict(loaded["scheduler"])
     if load_rng:
