@@ -466,4 +466,4 @@ def test_get_backend_no_cuda_and_not_shipped(monkeypatch):
     with pytest.raises(backends.BackendUnavailable):
         pending.sparse_mla(None, None, None, 1.0, 1)
     # auto never picks a backend without kernels
-    assert backends.get_backend("auto").name == "torch"
+    assert backends.get_backend("auto").name in ("triton", "torch")  # triton has kernels when installed

@@ -1,8 +1,8 @@
 """Attention-backend registry: where GPU kernels for the DSA ops plug in.
 
 Every backend offers the three ops of ``megatron_glm5.ops.reference`` with the same signatures:
-``indexer_topk``, ``sparse_mla`` and ``indexer_kl_loss``.  Today only "torch" (the pure-torch reference) is
-implemented; "triton", "tilelang", "cudnn" and "flashmla" are registered placeholders whose ``available()`` reports
+``indexer_topk``, ``sparse_mla`` and ``indexer_kl_loss``.  "torch" (the pure-torch reference) and "triton" (our
+Triton kernels, TritonBackend) are implemented; "tilelang", "cudnn" and "flashmla" are registered placeholders whose ``available()`` reports
 whether their package and a CUDA GPU are present, and ``get_backend`` refuses them honestly (no fake kernels).
 """
 
@@ -21,6 +21,7 @@ __all__ = [
     "BackendUnavailable",
     "TorchBackend",
     "PendingGPUBackend",
+    "TritonBackend",
     "BACKENDS",
     "AUTO_PREFERENCE",
     "get_backend",
@@ -89,6 +90,97 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _pow2_split(dim: int):
+    """(d_hi, d_lo) with d_hi the largest power of two below dim and d_lo = dim - d_hi also a power of two, or None."""
+    hi = 1 << (max(1, dim) - 1).bit_length() - 1
+    lo = dim - hi
+    return (hi, lo) if lo > 0 and lo & (lo - 1) == 0 else None
+
+
+class TritonBackend(AttentionBackend):
+    """Our Triton kernels (megatron_glm5/ops/triton_*.py).
+
+    indexer_topk: fused scores + exact chunked top-k (triton_indexer).  sparse_mla with indices: Triton forward
+    and backward (triton_sparse_mla; dkv summed with fp32 atomics, bitwise reproducible with
+    GLM5_TRITON_DETERMINISTIC=1 or ``deterministic=True`` at 1.7x the backward time).  sparse_mla without indices (dense warm-up) and indexer_kl_loss without indices fall
+    back to the torch reference; indexer_kl_loss with indices uses a Triton target kernel plus chunked torch
+    (triton_kl).  Needs power-of-two d_v, d_qk - d_v and index head dim.
+    """
+
+    name = "triton"
+    implemented = True
+
+    def __init__(self, deterministic: Optional[bool] = None):
+        self.deterministic = deterministic
+        self._has_package: Optional[bool] = None
+
+    def has_package(self) -> bool:
+        if self._has_package is None:
+            try:
+                importlib.import_module("triton")
+                self._has_package = True
+            except Exception:
+                self._has_package = False
+        return self._has_package
+
+    def available(self) -> bool:
+        return self.has_package() and _cuda_available()
+
+    def _fallback(self, why: str) -> None:
+        if why not in _logged:
+            _logged.add(why)
+            logger.warning("--attn triton: %s; using the torch reference for this op", why)
+
+    def check(self) -> None:
+        if not self.has_package():
+            raise BackendUnavailable("--attn triton needs the triton package: pip install 'megatron-glm5[gpu]'")
+        if not _cuda_available():
+            raise BackendUnavailable(
+                "--attn triton needs a CUDA GPU (torch.cuda.is_available() is False); use --attn torch")
+
+    def indexer_topk(self, q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=1024):
+        d_i = q_idx.shape[-1]
+        if d_i & (d_i - 1):
+            self._fallback(f"index head dim {d_i} is not a power of two")
+            return reference.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale,
+                                          chunk_size)
+        from . import triton_indexer
+
+        return triton_indexer.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale)
+
+    def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
+        d_rope = q.shape[-1] - d_v
+        if indices is not None and (d_v & (d_v - 1) or d_rope <= 0 or d_rope & (d_rope - 1)):
+            self._fallback(f"d_v={d_v} / d_rope={d_rope} are not both powers of two")
+            indices_for_ref = indices
+        elif indices is None:  # dense causal mode: no Triton kernel, the reference does it
+            indices_for_ref = None
+        else:
+            indices_for_ref = False
+        if indices_for_ref is not False:
+            return reference.sparse_mla(q, kv, indices_for_ref, softmax_scale, d_v, key_start, query_end, chunk_size)
+        from . import triton_sparse_mla
+
+        return triton_sparse_mla.sparse_mla(q, kv, indices, softmax_scale, d_v, self.deterministic)
+
+    def indexer_kl_loss(
+        self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None,
+    ):
+        split = _pow2_split(q.shape[-1])
+        if indices is None or split is None:
+            return reference.indexer_kl_loss(
+                q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+                indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
+            )
+        from . import triton_kl
+
+        return triton_kl.indexer_kl_loss_sparse(
+            q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, indices, split[0],
+            token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
+        )
+
+
 class PendingGPUBackend(AttentionBackend):
     """A GPU backend whose kernels are not part of this release."""
 
@@ -139,7 +231,7 @@ class PendingGPUBackend(AttentionBackend):
 
 BACKENDS: Dict[str, AttentionBackend] = {
     "torch": TorchBackend(),
-    "triton": PendingGPUBackend("triton", "triton", "pip install 'megatron-glm5[gpu]'"),
+    "triton": TritonBackend(),
     "tilelang": PendingGPUBackend("tilelang", "tilelang", "pip install 'megatron-glm5[tilelang]'"),
     "cudnn": PendingGPUBackend(
         "cudnn", "cudnn", "pip install 'megatron-glm5[cudnn]' (package nvidia-cudnn-frontend)"
@@ -182,8 +274,8 @@ def get_backend(name: str = "auto") -> AttentionBackend:
         choices = ", ".join(["auto", *BACKENDS])
         raise ValueError(f"unknown attention backend {name!r}; choose one of: {choices}")
     backend = BACKENDS[key]
-    if isinstance(backend, PendingGPUBackend):
-        backend.check()  # always raises: no kernels in this release
+    if isinstance(backend, (PendingGPUBackend, TritonBackend)):
+        backend.check()  # pending backends always raise (no kernels in this release); triton raises if it can't run
     if not backend.available():
         raise BackendUnavailable(f"--attn {key} is not available in this process")
     _log_once(requested, backend)

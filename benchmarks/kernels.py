@@ -1,0 +1,204 @@
+"""Benchmark of the Triton DSA kernels (megatron_glm5/ops/triton_*.py) at GLM-5 shapes on one GPU.
+
+    python benchmarks/kernels.py [--seqs 4096 32768] [--sweep] [--json kernels.json]
+
+Shapes: T = S query tokens (batch 1, causal), h = 64 heads, d_qk = 576 (512 latent + 64 rope), d_v = 512,
+top-k 2048, indexer 32 heads x 128, bf16.  The top-k indices are the Triton indexer's own output on random
+indexer inputs (so early tokens have fewer than 2048 keys, -1 padded, as in training).
+Timing: CUDA events around each call after 3 warm-ups, median of --reps runs, inputs refilled with fresh random
+numbers (never zeros) before every run, outside the timed region.
+FLOP convention: sparse forward = 2 * T * h * topk * (576 + 512) (every top-k slot counted, also the -1 padding
+of early tokens, as FlashMLA / TileLang count); backward = 2.5 x forward.  The indexer and KL rows give times only.
+--sweep first times several block configurations of the forward and backward kernels at S = --sweep-seq and uses
+the fastest for the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+H, DQK, DV, TOPK, HI, DI = 64, 576, 512, 2048, 32, 128
+
+FWD_SWEEP = [
+    dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2),
+    dict(BLOCK_N=128, V_SPLIT=1, num_warps=8, num_stages=1),
+]
+BWD_SWEEP = [
+    dict(KERNEL="n", BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2),
+    dict(KERNEL="t", BLOCK_N=32, H_SPLIT=1, num_warps=8, num_stages=1),
+    dict(KERNEL="t", BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1),
+    dict(KERNEL="t", BLOCK_N=32, H_SPLIT=1, num_warps=4, num_stages=1),
+    dict(KERNEL="t", BLOCK_N=64, H_SPLIT=2, num_warps=8, num_stages=1),
+    dict(KERNEL="t", BLOCK_N=32, H_SPLIT=2, num_warps=4, num_stages=2),
+]
+
+
+def timed(fn, refill, reps):
+    """Median milliseconds of fn() over reps runs (CUDA events), refill() before each, 3 warm-ups."""
+    for _ in range(3):
+        refill()
+        fn()
+    times = []
+    for _ in range(reps):
+        refill()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+class Problem:
+    def __init__(self, seq):
+        from megatron_glm5.ops import triton_indexer
+
+        self.seq = seq
+        dev = "cuda"
+        self.q = torch.empty(seq, H, DQK, device=dev, dtype=torch.bfloat16)
+        self.kv = torch.empty(seq, DQK, device=dev, dtype=torch.bfloat16)
+        self.d_out = torch.empty(seq, H, DV, device=dev, dtype=torch.bfloat16)
+        self.qi = torch.empty(seq, HI, DI, device=dev, dtype=torch.bfloat16)
+        self.ki = torch.empty(seq, DI, device=dev, dtype=torch.bfloat16)
+        self.w = torch.empty(seq, HI, device=dev, dtype=torch.float32)
+        self.key_start = torch.zeros(seq, device=dev, dtype=torch.int64)
+        self.query_end = torch.arange(seq, device=dev, dtype=torch.int64)
+        self.refill()
+        self.indices = triton_indexer.indexer_topk(self.qi, self.ki, self.w, TOPK, self.key_start, self.query_end,
+                                                   DI ** -0.5)
+        self.scale = DQK ** -0.5
+
+    def refill(self):
+        for t in (self.q, self.kv, self.d_out, self.qi, self.ki):
+            t.normal_()
+        self.w.normal_().mul_(HI ** -0.5)
+
+    @property
+    def fwd_flop(self):
+        return 2.0 * self.seq * H * TOPK * (DQK + DV)
+
+
+def sweep(seq, reps, log):
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    p = Problem(seq)
+    res = {"fwd": [], "bwd": []}
+    out, lse = tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV)
+    for cfg in FWD_SWEEP:
+        try:
+            ms = timed(lambda: tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV, config=cfg), p.refill, reps)
+            res["fwd"].append(dict(config=cfg, ms=ms, tflops=p.fwd_flop / ms / 1e9))
+            log(f"sweep fwd S={seq} {cfg}: {ms:.2f} ms  {p.fwd_flop / ms / 1e9:.0f} TFLOP/s")
+        except Exception as e:  # e.g. out of shared memory for this block shape
+            res["fwd"].append(dict(config=cfg, error=str(e).splitlines()[0][:200]))
+            log(f"sweep fwd {cfg}: failed: {str(e).splitlines()[0][:200]}")
+    for cfg in BWD_SWEEP:
+        try:
+            ms = timed(lambda: tsm.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
+                                                  deterministic=False, config=cfg), p.refill, reps)
+            res["bwd"].append(dict(config=cfg, ms=ms, tflops=2.5 * p.fwd_flop / ms / 1e9))
+            log(f"sweep bwd(atomic) S={seq} {cfg}: {ms:.2f} ms  {2.5 * p.fwd_flop / ms / 1e9:.0f} TFLOP/s")
+        except Exception as e:
+            res["bwd"].append(dict(config=cfg, error=str(e).splitlines()[0][:200]))
+            log(f"sweep bwd {cfg}: failed: {str(e).splitlines()[0][:200]}")
+    ok_f = [r for r in res["fwd"] if "ms" in r]
+    ok_b = [r for r in res["bwd"] if "ms" in r]
+    if ok_f:
+        tsm.FWD_CONFIG.update(min(ok_f, key=lambda r: r["ms"])["config"])
+    if ok_b:
+        tsm.BWD_CONFIG.update(min(ok_b, key=lambda r: r["ms"])["config"])
+    log(f"chosen fwd {tsm.FWD_CONFIG}, bwd {tsm.BWD_CONFIG}")
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench(seq, reps, with_reference, log):
+    from megatron_glm5.ops import reference, triton_indexer, triton_kl
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    p = Problem(seq)
+    rows = []
+
+    def add(kernel, ms, flop=None):
+        row = dict(seq=seq, kernel=kernel, ms=round(ms, 3))
+        if flop:
+            row["tflops"] = round(flop / ms / 1e9, 1)
+        rows.append(row)
+        log(f"S={seq:6d} {kernel:38s} {ms:9.2f} ms" + (f" {row['tflops']:7.1f} TFLOP/s" if flop else ""))
+
+    add("indexer_topk (triton)", timed(lambda: triton_indexer.indexer_topk(
+        p.qi, p.ki, p.w, TOPK, p.key_start, p.query_end, DI ** -0.5), p.refill, max(5, reps // 4)))
+    add("sparse_mla fwd (triton)", timed(lambda: tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV), p.refill,
+                                         reps), p.fwd_flop)
+    out, lse = tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV)
+    for det in (True, False):
+        add(f"sparse_mla bwd (triton, {'deterministic' if det else 'atomic'})", timed(
+            lambda: tsm.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
+                                       deterministic=det), p.refill, reps), 2.5 * p.fwd_flop)
+    add("indexer KL target (triton head probs)", timed(
+        lambda: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV), p.refill, max(5, reps // 4)))
+    qi, ki, w = (x.detach().requires_grad_() for x in (p.qi, p.ki, p.w))
+    add("indexer KL loss fwd+grad (triton+torch)", timed(
+        lambda: triton_kl.indexer_kl_loss_sparse(qi, ki, w, DI ** -0.5, p.q, p.kv, p.scale, p.indices,
+                                                 DV)[0].backward(), p.refill, max(3, reps // 8)))
+    if with_reference:
+        add("sparse_mla fwd (torch reference)", timed(
+            lambda: reference.sparse_mla(p.q, p.kv, p.indices, p.scale, DV), p.refill, max(3, reps // 8)),
+            p.fwd_flop)
+        q, kv = p.q.detach().requires_grad_(), p.kv.detach().requires_grad_()
+
+        def ref_fwd_bwd():
+            o, _ = reference.sparse_mla(q, kv, p.indices, p.scale, DV)
+            o.backward(p.d_out)
+
+        add("sparse_mla fwd+bwd (torch reference)", timed(ref_fwd_bwd, p.refill, max(3, reps // 8)),
+            3.5 * p.fwd_flop)
+        add("indexer_topk (torch reference)", timed(lambda: reference.indexer_topk(
+            p.qi, p.ki, p.w, TOPK, p.key_start, p.query_end, DI ** -0.5), p.refill, 3))
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-seq", type=int, default=8192)
+    ap.add_argument("--reference-max-seq", type=int, default=4096,
+                    help="time the torch reference only up to this sequence length (it is slow)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+
+    def log(msg):
+        print(msg, flush=True)
+
+    log(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    t0 = time.time()
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, reps=args.reps,
+                  flop_convention="fwd = 2*T*h*topk*(576+512); bwd = 2.5 x fwd; fwd+bwd = 3.5 x fwd")
+    if args.sweep:
+        result["sweep"] = sweep(args.sweep_seq, max(5, args.reps // 2), log)
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    result["fwd_config"], result["bwd_config"] = dict(tsm.FWD_CONFIG), dict(tsm.BWD_CONFIG)
+    result["rows"] = []
+    for seq in args.seqs:
+        result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log)
+    log(f"total {time.time() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Triton lightning-indexer top-k: fused scores + sortable keys, then an exact top-k per query chunk.
+
+score[t, j] = sum_h w[t, h] * relu(softmax_scale * q_idx[t, h] . k_idx[j]) over the window
+key_start[t] <= j <= query_end[t] (fp32 accumulation of the bf16 products).
+
+Queries are processed in chunks (``reference._Windows`` gives each chunk's key range [lo, hi]); the [T, Tk] score
+matrix is never built: a chunk holds [rows, hi - lo + 1] int64 keys, rows bounded so that this buffer stays under
+``BUFFER_BYTES``.  The Triton kernel writes, for every (query, key) of the chunk, one int64 that orders like
+(score descending, position ascending): the fp32 score's bits mapped to an order-preserving int32 in the high half,
+(2^32 - 1 - relative position) in the low half; keys outside the window get the -inf score.  All keys of a row are
+distinct, so ``torch.topk`` on them is exact and deterministic, and its sorted output is the reference's order
+(descending score, ties -> smaller row).  -0.0 scores are written as +0.0 so that equal scores tie.
+Slots beyond a query's window size are -1, as in the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_interpret_compat
+from .reference import _Windows
+
+triton_interpret_compat.apply()
+
+BUFFER_BYTES = 512 << 20
+MAX_ROWS = 4096
+CONFIG = dict(BLOCK_N=128, N_ITERS=4, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _score_keys_kernel(
+    QI, KI, W, KS, QE, OUT,
+    stride_qt, stride_qh, stride_kt, stride_wt, stride_ot,
+    c0, lo, width, n_heads, scale,
+    DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, IEEE: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    t = c0 + r
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, DI)
+    h_ok = offs_h < n_heads
+    q = tl.load(QI + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+    w = tl.load(W + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    ks = tl.load(KS + t)
+    qe = tl.load(QE + t)
+    for it in range(N_ITERS):
+        rel = (tl.program_id(1) * N_ITERS + it) * BLOCK_N + tl.arange(0, BLOCK_N)
+        j = lo + rel
+        inside = rel < width
+        ok = inside & (j >= ks) & (j <= qe)
+        z = tl.full([BLOCK_N], float("-inf"), tl.float32)
+        # key blocks entirely outside the window (e.g. the causal future) skip the product
+        if (lo + (tl.program_id(1) * N_ITERS + it) * BLOCK_N <= qe) & (lo + (tl.program_id(1) * N_ITERS + it + 1) * BLOCK_N > ks):
+            k = tl.load(KI + tl.where(ok, j, 0)[:, None] * stride_kt + offs_d[None, :], mask=ok[:, None], other=0.0)
+            if IEEE:
+                a = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                a = tl.dot(q, tl.trans(k))
+            a = tl.maximum(a * scale, 0.0)
+            zz = tl.sum(a * w[:, None], axis=0)
+            zz = tl.where(zz == 0.0, 0.0, zz)  # -0.0 -> +0.0
+            z = tl.where(ok, zz, z)
+        bits = z.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+        key = ordered * 4294967296 + (4294967295 - rel.to(tl.int64))
+        tl.store(OUT + r * stride_ot + rel, key, mask=inside)
+
+
+@torch.no_grad()
+def indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=None,
+                 config=None):
+    """Same contract as ``reference.indexer_topk``: int32 [T, topk], -1 padded."""
+    if q_idx.dim() != 3 or k_idx.dim() != 2 or weights.dim() != 2:
+        raise ValueError("expected q_idx [T, Hi, Di], k_idx [Tk, Di], weights [T, Hi]")
+    n_q, n_heads, d_i = q_idx.shape
+    if d_i & (d_i - 1):
+        raise ValueError(f"triton indexer_topk needs a power-of-two index head dim (got {d_i}); use --attn torch")
+    n_k = k_idx.shape[0]
+    topk = int(topk)
+    out = torch.full((n_q, topk), -1, dtype=torch.int32, device=q_idx.device)
+    if n_q == 0 or topk <= 0:
+        return out
+    cfg = dict(CONFIG, **(config or {}))
+    win = _Windows(key_start, query_end, n_q, n_k)
+    n_valid = win.n_valid.to(q_idx.device)
+    q_idx, k_idx, weights = q_idx.contiguous(), k_idx.contiguous(), weights.contiguous()
+    ks = key_start.to(device=q_idx.device, dtype=torch.int64).contiguous()
+    qe = query_end.to(device=q_idx.device, dtype=torch.int64).contiguous()
+    tile = cfg["BLOCK_N"] * cfg["N_ITERS"]
+    block_h = max(16, triton.next_power_of_2(n_heads))
+    c0 = 0
+    while c0 < n_q:
+        rows = min(MAX_ROWS, n_q - c0)
+        while True:
+            lo, hi = win.span(c0, c0 + rows)
+            width = hi - lo + 1
+            if rows == 1 or rows * max(width, 1) * 8 <= BUFFER_BYTES:
+                break
+            rows = max(1, rows // 2)
+        if width > 0:
+            keys = torch.empty(rows, width, dtype=torch.int64, device=q_idx.device)
+            _score_keys_kernel[(rows, triton.cdiv(width, tile))](
+                q_idx, k_idx, weights, ks, qe, keys,
+                q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), keys.stride(0),
+                c0, lo, width, n_heads, float(softmax_scale),
+                DI=d_i, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], N_ITERS=cfg["N_ITERS"],
+                IEEE=q_idx.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            )
+            k = min(topk, width)
+            best = torch.topk(keys, k, dim=-1, largest=True, sorted=True).values
+            pos = 4294967295 - (best & 4294967295) + lo
+            slot = torch.arange(k, device=pos.device)
+            sel = torch.where(slot[None, :] < n_valid[c0:c0 + rows, None], pos, torch.full_like(pos, -1))
+            out[c0:c0 + rows, :k] = sel.to(torch.int32)
+        c0 += rows
+    return out

@@ -1,0 +1,445 @@
+"""Triton sparse MLA in the absorbed latent space: forward (out, lse) and backward (dq, dkv).
+
+Layout and semantics are those of ``reference.sparse_mla`` with ``indices`` given: q [T, h, D], kv [Tk, D] with
+D = d_v + d_rope (GLM-5: 512 latent + 64 rope; the latent part is also V), indices [T, K] int (-1 = unused).
+
+Forward: one program per (query token, slice of V).  The h heads of the token are the M dimension of the matrix
+products (padded to >= 16); the selected kv rows are gathered BLOCK_N at a time; online softmax in fp32 (exp2);
+p is rounded to the value dtype for the PV product, accumulation in fp32.  With V_SPLIT = 2 two programs share a
+token, each owning half of the 512 value columns (they both compute the scores) -- fewer registers per program.
+
+Backward: one program per (query token, group of h / H_SPLIT heads -- heads are independent, and the split keeps
+the tiles inside shared memory) recomputes p from the saved lse, accumulates dq in registers, and produces for each
+gathered key block the dkv contribution dK = dS^T Q (+ P^T dO on the latent part).  Two ways to sum the
+contributions of different queries into dkv:
+  * "atomic": fp32 atomic adds straight into dkv -- fast, summation order (and so the last bits) not reproducible;
+  * "deterministic": contributions of a query chunk are written to a [chunk * K, D] fp32 buffer, the chunk's
+    (query, slot) pairs are stably sorted by key row, and a segmented-sum kernel adds each key's rows in that fixed
+    order; chunks are added in order.  Bitwise reproducible.
+Choose with ``deterministic=`` or the env var GLM5_TRITON_DETERMINISTIC (1 / 0).  Default: atomic -- on the H200
+the deterministic reduction made the backward 1.7x slower (docs/performance.md, "Kernels").
+
+Two backward kernels: "n" (scores as [heads, keys], heads split into H_SPLIT groups so that the tiles fit in
+shared memory; measured, the default) and "t" (transposed formulation, see ``_bwd_kernel_t``; checked in the
+interpreter, not yet measured on the GPU).  ``BWD_CONFIG["KERNEL"]`` selects.
+
+Dense mode (indices None) is not a Triton kernel: the backend falls back to the reference for it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from . import triton_interpret_compat
+
+triton_interpret_compat.apply()
+
+LOG2E = 1.4426950408889634
+
+# tuned on the H200 (see docs/performance.md, "Kernels"); overridable per call for the benchmark sweep
+FWD_CONFIG = dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2)
+BWD_CONFIG = dict(KERNEL="n", BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2)
+# tried in order when a configuration needs more shared memory than the GPU has
+BWD_FALLBACKS = (dict(KERNEL="n", BLOCK_N=32, H_SPLIT=4, num_warps=4, num_stages=1),
+                 dict(KERNEL="n", BLOCK_N=16, H_SPLIT=4, num_warps=4, num_stages=1))
+# bytes of fp32 per-(query, slot) dkv contributions held at once in deterministic mode
+DET_BUFFER_BYTES = 2 << 30
+
+
+def deterministic_default() -> bool:
+    v = os.environ.get("GLM5_TRITON_DETERMINISTIC", "0").strip().lower()
+    if v not in ("0", "1", "true", "false", "yes", "no", ""):
+        raise ValueError(f"GLM5_TRITON_DETERMINISTIC must be 0 or 1, got {v!r}")
+    return v in ("1", "true", "yes")
+
+
+def _block_h(h: int) -> int:
+    return max(16, triton.next_power_of_2(h))
+
+
+def _check(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> int:
+    if q.dim() != 3 or kv.dim() != 2 or q.shape[-1] != kv.shape[-1]:
+        raise ValueError(f"expected q [T, H, D] and kv [Tk, D], got {tuple(q.shape)} and {tuple(kv.shape)}")
+    d_rope = q.shape[-1] - d_v
+    for name, n in (("d_v", d_v), ("d_rope", d_rope)):
+        if n <= 0 or n & (n - 1):
+            raise ValueError(f"triton sparse_mla needs power-of-two {name} (got {n}); use --attn torch")
+    if indices.dim() != 2 or indices.shape[0] != q.shape[0]:
+        raise ValueError(f"indices must be [T={q.shape[0]}, topk], got {tuple(indices.shape)}")
+    return d_rope
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, KV, IDX, OUT, LSE,
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
+    n_heads, n_keys, topk, scale_log2,
+    DV: tl.constexpr, DR: tl.constexpr, DVS: tl.constexpr, V_SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    vs = tl.program_id(1)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, DV)
+    offs_r = tl.arange(0, DR)
+    offs_vs = vs * DVS + tl.arange(0, DVS)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < n_heads
+    q_base = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    q_lat = tl.load(q_base + offs_v[None, :], mask=h_ok[:, None], other=0.0)
+    q_rope = tl.load(q_base + DV + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, DVS], tl.float32)
+    for n0 in range(0, topk, BLOCK_N):
+        slot = n0 + offs_n
+        idx = tl.load(IDX + t * stride_it + slot, mask=slot < topk, other=-1).to(tl.int64)
+        ok = (idx >= 0) & (idx < n_keys)
+        rows = KV + tl.where(ok, idx, 0) * stride_kvt
+        k_lat = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0)
+        k_rope = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
+            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_lat, tl.trans(k_lat))
+            s = tl.dot(q_rope, tl.trans(k_rope), s)
+        s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if V_SPLIT == 1:
+            v = k_lat
+        else:
+            v = tl.load(rows[:, None] + offs_vs[None, :], mask=ok[:, None], other=0.0)
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    tl.store(OUT + t * stride_ot + offs_h[:, None] * stride_oh + offs_vs[None, :], out.to(OUT.dtype.element_ty),
+             mask=h_ok[:, None])
+    if vs == 0:
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+        tl.store(LSE + t * stride_lt + offs_h, lse, mask=h_ok)
+
+
+def sparse_mla_fwd(q, kv, indices, softmax_scale: float, d_v: int, config: Optional[dict] = None,
+                   out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+    """(out [T, h, d_v] in q's dtype, lse [T, h] fp32); out / lse may be given (contiguous, written in full)."""
+    d_rope = _check(q, kv, indices, d_v)
+    cfg = dict(FWD_CONFIG, **(config or {}))
+    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
+    n_q, h, _ = q.shape
+    out = torch.empty(n_q, h, d_v, dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty(n_q, h, dtype=torch.float32, device=q.device) if lse is None else lse
+    if n_q == 0:
+        return out, lse
+    v_split = cfg["V_SPLIT"] if d_v % cfg["V_SPLIT"] == 0 else 1
+    _fwd_kernel[(n_q, v_split)](
+        q, kv, indices, out, lse,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
+        h, kv.shape[0], indices.shape[1], float(softmax_scale) * LOG2E,
+        DV=d_v, DR=d_rope, DVS=d_v // v_split, V_SPLIT=v_split,
+        BLOCK_H=_block_h(h), BLOCK_N=cfg["BLOCK_N"], IEEE=q.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _bwd_kernel(
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, BUF,
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt,
+    t0, n_heads, n_keys, topk, scale,
+    DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, H_SPLIT: tl.constexpr,
+    ATOMIC: tl.constexpr, IEEE: tl.constexpr,
+):
+    tl_ = tl.program_id(0).to(tl.int64)  # row inside this launch's query range
+    hg = tl.program_id(1)  # head group: heads are independent, each group adds its own dkv partial sum
+    t = t0 + tl_
+    D: tl.constexpr = DV + DR
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, DV)
+    offs_r = tl.arange(0, DR)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < n_heads
+    q_base = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    q_lat = tl.load(q_base + offs_v[None, :], mask=h_ok[:, None], other=0.0)
+    q_rope = tl.load(q_base + DV + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+    do = tl.load(DO + t * stride_dot + offs_h[:, None] * stride_doh + offs_v[None, :], mask=h_ok[:, None], other=0.0)
+    lse = tl.load(LSE + t * stride_lt + offs_h, mask=h_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # no keys: p = 0
+    delta = tl.load(DELTA + t * stride_lt + offs_h, mask=h_ok, other=0.0)
+
+    dq_lat = tl.zeros([BLOCK_H, DV], tl.float32)
+    dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
+    for n0 in range(0, topk, BLOCK_N):
+        slot = n0 + offs_n
+        idx = tl.load(IDX + t * stride_it + slot, mask=slot < topk, other=-1).to(tl.int64)
+        ok = (idx >= 0) & (idx < n_keys)
+        rows = KV + tl.where(ok, idx, 0) * stride_kvt
+        k_lat = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0)
+        k_rope = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
+            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision="ieee")
+            dp = tl.dot(do, tl.trans(k_lat), input_precision="ieee")
+        else:
+            s = tl.dot(q_lat, tl.trans(k_lat))
+            s = tl.dot(q_rope, tl.trans(k_rope), s)
+            dp = tl.dot(do, tl.trans(k_lat))
+        p = tl.exp2(s * (scale * 1.4426950408889634) - lse[:, None])
+        p = tl.where(ok[None, :], p, 0.0)
+        ds = p * (dp - delta[:, None]) * scale
+        ds_c = ds.to(k_lat.dtype)
+        p_c = p.to(k_lat.dtype)
+        if IEEE:
+            dq_lat = tl.dot(ds_c, k_lat, dq_lat, input_precision="ieee")
+            dq_rope = tl.dot(ds_c, k_rope, dq_rope, input_precision="ieee")
+            dk_lat = tl.dot(tl.trans(ds_c), q_lat, input_precision="ieee")
+            dk_lat = tl.dot(tl.trans(p_c), do, dk_lat, input_precision="ieee")
+            dk_rope = tl.dot(tl.trans(ds_c), q_rope, input_precision="ieee")
+        else:
+            dq_lat = tl.dot(ds_c, k_lat, dq_lat)
+            dq_rope = tl.dot(ds_c, k_rope, dq_rope)
+            dk_lat = tl.dot(tl.trans(ds_c), q_lat)
+            dk_lat = tl.dot(tl.trans(p_c), do, dk_lat)
+            dk_rope = tl.dot(tl.trans(ds_c), q_rope)
+        if ATOMIC:
+            drow = DKV + tl.where(ok, idx, 0) * D
+            tl.atomic_add(drow[:, None] + offs_v[None, :], dk_lat, mask=ok[:, None], sem="relaxed")
+            tl.atomic_add(drow[:, None] + DV + offs_r[None, :], dk_rope, mask=ok[:, None], sem="relaxed")
+        else:
+            brow = BUF + ((tl_ * H_SPLIT + hg) * topk + slot) * D
+            s_ok = slot < topk
+            tl.store(brow[:, None] + offs_v[None, :], dk_lat, mask=s_ok[:, None])
+            tl.store(brow[:, None] + DV + offs_r[None, :], dk_rope, mask=s_ok[:, None])
+
+    dq_base = DQ + t * stride_qt + offs_h[:, None] * stride_qh
+    tl.store(dq_base + offs_v[None, :], dq_lat.to(DQ.dtype.element_ty), mask=h_ok[:, None])
+    tl.store(dq_base + DV + offs_r[None, :], dq_rope.to(DQ.dtype.element_ty), mask=h_ok[:, None])
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _emit(DKV, BUF, idx, ok, brow, s_ok, col0, val, WIDTH: tl.constexpr, D: tl.constexpr, ATOMIC: tl.constexpr):
+    """Adds val [BLOCK_N, WIDTH] into dkv rows idx (atomic) or writes it to buffer rows brow (deterministic)."""
+    cols = col0 + tl.arange(0, WIDTH)
+    if ATOMIC:
+        tl.atomic_add(DKV + tl.where(ok, idx, 0)[:, None] * D + cols[None, :], val, mask=ok[:, None], sem="relaxed")
+    else:
+        tl.store(BUF + brow[:, None] * D + cols[None, :], val, mask=s_ok[:, None])
+
+
+@triton.jit
+def _bwd_kernel_t(
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, BUF,
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt,
+    t0, n_heads, n_keys, topk, scale,
+    DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, H_SPLIT: tl.constexpr,
+    ATOMIC: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Backward in the transposed formulation: scores as [keys, heads] (S^T = K Q^T), so that Q and dO are only
+    ever B operands (one shared-memory copy each, with H_SPLIT = 1 all 64 heads fit), dS^T and P^T feed dK / dV
+    directly, and the 512 latent columns are handled as two halves (smaller live accumulators)."""
+    tl_ = tl.program_id(0).to(tl.int64)
+    hg = tl.program_id(1)
+    t = t0 + tl_
+    D: tl.constexpr = DV + DR
+    DH: tl.constexpr = DV // 2
+    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_a = tl.arange(0, DH)
+    offs_r = tl.arange(0, DR)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < n_heads
+    q_base = Q + t * stride_qt + offs_h[:, None] * stride_qh
+    q0 = tl.load(q_base + offs_a[None, :], mask=h_ok[:, None], other=0.0)
+    q1 = tl.load(q_base + DH + offs_a[None, :], mask=h_ok[:, None], other=0.0)
+    qr = tl.load(q_base + DV + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+    do_base = DO + t * stride_dot + offs_h[:, None] * stride_doh
+    do0 = tl.load(do_base + offs_a[None, :], mask=h_ok[:, None], other=0.0)
+    do1 = tl.load(do_base + DH + offs_a[None, :], mask=h_ok[:, None], other=0.0)
+    lse = tl.load(LSE + t * stride_lt + offs_h, mask=h_ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(DELTA + t * stride_lt + offs_h, mask=h_ok, other=0.0)
+
+    dq0 = tl.zeros([BLOCK_H, DH], tl.float32)
+    dq1 = tl.zeros([BLOCK_H, DH], tl.float32)
+    dqr = tl.zeros([BLOCK_H, DR], tl.float32)
+    for n0 in range(0, topk, BLOCK_N):
+        slot = n0 + offs_n
+        s_ok = slot < topk
+        idx = tl.load(IDX + t * stride_it + slot, mask=s_ok, other=-1).to(tl.int64)
+        ok = (idx >= 0) & (idx < n_keys)
+        rows = KV + tl.where(ok, idx, 0) * stride_kvt
+        k0 = tl.load(rows[:, None] + offs_a[None, :], mask=ok[:, None], other=0.0)
+        k1 = tl.load(rows[:, None] + DH + offs_a[None, :], mask=ok[:, None], other=0.0)
+        kr = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None], other=0.0)
+        st = _mma(k0, tl.trans(q0), tl.zeros([BLOCK_N, BLOCK_H], tl.float32), IEEE)
+        st = _mma(k1, tl.trans(q1), st, IEEE)
+        st = _mma(kr, tl.trans(qr), st, IEEE)
+        pt = tl.exp2(st * (scale * 1.4426950408889634) - lse[None, :])
+        pt = tl.where(ok[:, None], pt, 0.0)
+        dpt = _mma(k0, tl.trans(do0), tl.zeros([BLOCK_N, BLOCK_H], tl.float32), IEEE)
+        dpt = _mma(k1, tl.trans(do1), dpt, IEEE)
+        dst = (pt * (dpt - delta[None, :]) * scale).to(k0.dtype)
+        pt = pt.to(k0.dtype)
+        ds = tl.trans(dst)
+        dq0 = _mma(ds, k0, dq0, IEEE)
+        dq1 = _mma(ds, k1, dq1, IEEE)
+        dqr = _mma(ds, kr, dqr, IEEE)
+        brow = (tl_ * H_SPLIT + hg) * topk + slot
+        dk = _mma(pt, do0, _mma(dst, q0, tl.zeros([BLOCK_N, DH], tl.float32), IEEE), IEEE)
+        _emit(DKV, BUF, idx, ok, brow, s_ok, 0, dk, DH, D, ATOMIC)
+        dk = _mma(pt, do1, _mma(dst, q1, tl.zeros([BLOCK_N, DH], tl.float32), IEEE), IEEE)
+        _emit(DKV, BUF, idx, ok, brow, s_ok, DH, dk, DH, D, ATOMIC)
+        dk = _mma(dst, qr, tl.zeros([BLOCK_N, DR], tl.float32), IEEE)
+        _emit(DKV, BUF, idx, ok, brow, s_ok, DV, dk, DR, D, ATOMIC)
+
+    dq_base = DQ + t * stride_qt + offs_h[:, None] * stride_qh
+    tl.store(dq_base + offs_a[None, :], dq0.to(DQ.dtype.element_ty), mask=h_ok[:, None])
+    tl.store(dq_base + DH + offs_a[None, :], dq1.to(DQ.dtype.element_ty), mask=h_ok[:, None])
+    tl.store(dq_base + DV + offs_r[None, :], dqr.to(DQ.dtype.element_ty), mask=h_ok[:, None])
+
+
+@triton.jit
+def _segment_sum_kernel(BUF, PERM, SEG_START, SEG_LEN, SEG_KEY, DKV, n_keys, D,
+                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dkv[key of segment] += sum of the segment's buffer rows, in sorted order (deterministic)."""
+    seg = tl.program_id(0)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    key = tl.load(SEG_KEY + seg)
+    if key < n_keys:
+        start = tl.load(SEG_START + seg)
+        length = tl.load(SEG_LEN + seg)
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        offs_r = tl.arange(0, BLOCK_R)
+        for r0 in range(0, length, BLOCK_R):
+            r_ok = r0 + offs_r < length
+            src = tl.load(PERM + start + r0 + offs_r, mask=r_ok, other=0)
+            vals = tl.load(BUF + src[:, None] * D + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+            acc += tl.sum(vals, axis=0)
+        ptr = DKV + key.to(tl.int64) * D + offs_d
+        tl.store(ptr, tl.load(ptr, mask=d_ok, other=0.0) + acc, mask=d_ok)
+
+
+def _segment_reduce_into(dkv: torch.Tensor, buf: torch.Tensor, idx_chunk: torch.Tensor, h_split: int) -> None:
+    """buf rows are ordered (query, head group, slot); idx_chunk [n, K] gives each row's key."""
+    n_keys, d = dkv.shape
+    flat = idx_chunk.unsqueeze(1).expand(-1, h_split, -1).reshape(-1).to(torch.int64)
+    flat = torch.where((flat >= 0) & (flat < n_keys), flat, torch.full_like(flat, n_keys))
+    keys_sorted, perm = torch.sort(flat, stable=True)
+    seg_key, seg_len = torch.unique_consecutive(keys_sorted, return_counts=True)
+    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    block_d = 128 if d >= 128 else triton.next_power_of_2(d)
+    _segment_sum_kernel[(seg_key.numel(), triton.cdiv(d, block_d))](
+        buf, perm, seg_start, seg_len, seg_key, dkv, n_keys, d, BLOCK_R=16, BLOCK_D=block_d, num_warps=4,
+    )
+
+
+def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float, d_v: int,
+                   deterministic: Optional[bool] = None, config: Optional[dict] = None,
+                   dq: Optional[torch.Tensor] = None):
+    """(dq like q, dkv like kv).  d_lse may be None; dq may be given (contiguous, written in full)."""
+    d_rope = _check(q, kv, indices, d_v)
+    cfg = dict(BWD_CONFIG, **(config or {}))
+    det = deterministic_default() if deterministic is None else bool(deterministic)
+    q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
+    d_out = d_out.contiguous()
+    n_q, h, d = q.shape
+    n_keys, topk = kv.shape[0], indices.shape[1]
+    delta = (d_out.float() * out.float()).sum(-1)
+    if d_lse is not None:
+        delta = delta - d_lse.float()
+    delta = delta.contiguous()
+    lse = lse.contiguous()
+    dq = torch.empty_like(q) if dq is None else dq
+    dkv = torch.zeros(n_keys, d, dtype=torch.float32, device=q.device)
+    if n_q == 0 or topk == 0:
+        return dq.zero_(), dkv.to(kv.dtype)
+    configs = [cfg] + [c for c in BWD_FALLBACKS if config is None and c != cfg]
+    while True:
+        cfg = configs.pop(0)
+        h_split = max(1, min(int(cfg["H_SPLIT"]), _block_h(h) // 16))
+        if det:
+            rows = max(1, min(n_q, DET_BUFFER_BYTES // max(1, h_split * topk * d * 4)))
+        else:
+            rows = n_q
+        buf = torch.empty(rows * h_split * topk, d, dtype=torch.float32, device=q.device) if det else dkv
+        try:
+            for t0 in range(0, n_q, rows):
+                n = min(rows, n_q - t0)
+                kernel = _bwd_kernel_t if cfg.get("KERNEL", "n") == "t" else _bwd_kernel
+                kernel[(n, h_split)](
+                    q, kv, indices, d_out, lse, delta, dq, dkv, buf,
+                    q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), d_out.stride(0), d_out.stride(1),
+                    lse.stride(0), t0, h, n_keys, topk, float(softmax_scale),
+                    DV=d_v, DR=d_rope, BLOCK_H=_block_h(h) // h_split, BLOCK_N=cfg["BLOCK_N"], H_SPLIT=h_split,
+                    ATOMIC=not det, IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"],
+                )
+                if det:
+                    _segment_reduce_into(dkv, buf, indices[t0:t0 + n], h_split)
+            return dq, dkv.to(kv.dtype)
+        except OutOfResources:
+            if not configs:
+                raise
+            # nothing has been written for this launch configuration's first launch: retry with the next one
+            dkv.zero_()
+
+
+class SparseMLATriton(torch.autograd.Function):
+    """autograd wrapper: forward saves q, kv, indices, out, lse; backward runs the Triton backward."""
+
+    @staticmethod
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic):
+        out, lse = sparse_mla_fwd(q, kv, indices, softmax_scale, d_v)
+        ctx.save_for_backward(q, kv, indices, out, lse)
+        ctx.scale, ctx.d_v, ctx.det = softmax_scale, d_v, deterministic
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, kv, indices, out, lse = ctx.saved_tensors
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        dq, dkv = sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, ctx.scale, ctx.d_v, ctx.det)
+        return dq, dkv, None, None, None, None
+
+
+def sparse_mla(q, kv, indices, softmax_scale: float, d_v: int,
+               deterministic: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Triton sparse MLA with autograd (dq, dkv); see the module docstring."""
+    return SparseMLATriton.apply(q, kv, indices, float(softmax_scale), int(d_v), deterministic)

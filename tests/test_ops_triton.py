@@ -1,0 +1,320 @@
+"""Tests of the Triton DSA kernels (megatron_glm5/ops/triton_*.py) against the torch reference.
+
+CPU part: the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in one subprocess
+(tests/triton_interp_runner.py) at tiny sizes that keep the 576/512 structure as d_v + d_rope = 32 + 16; this
+process builds the inputs and compares with megatron_glm5.ops.reference.
+GPU part (@pytest.mark.gpu): real GLM-5 shapes in bf16 against the fp32 reference; run on the device machine.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_glm5.ops import reference
+from test_ops_reference import LAYOUTS, batch_layout, packed_layout
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+HERE = os.path.dirname(os.path.abspath(__file__))
+F64 = torch.float64
+
+
+def random_indices(key_start, query_end, topk, gen, holes=True):
+    """[T, topk] int32: a random subset of each query's window (shuffled), -1 padded; some holes in the middle."""
+    rows = []
+    for t in range(key_start.numel()):
+        lo, hi = int(key_start[t]), int(query_end[t])
+        cand = torch.arange(lo, hi + 1) if hi >= lo else torch.zeros(0, dtype=torch.long)
+        cand = cand[torch.randperm(cand.numel(), generator=gen)][:topk]
+        row = torch.full((topk,), -1, dtype=torch.int32)
+        row[:cand.numel()] = cand.int()
+        if holes and cand.numel() > 2 and t % 3 == 0:
+            row[1] = -1
+        rows.append(row[torch.randperm(topk, generator=gen)] if t % 2 else row)
+    return torch.stack(rows)
+
+
+def int_inputs(n_q, n_k, heads, dim, gen):
+    """Small integers (and halves): every index score is exact in fp32 whatever the summation order, and ties
+    are frequent -- so the top-k must match the reference exactly, tie rule included."""
+    q = torch.randint(-2, 3, (n_q, heads, dim), generator=gen).float()
+    k = torch.randint(-2, 3, (n_k, dim), generator=gen).float()
+    w = torch.randint(-2, 3, (n_q, heads), generator=gen).float() * 0.5
+    return q, k, w
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CPU: interpreter
+# ----------------------------------------------------------------------------------------------------------------------
+
+D_V, D_ROPE = 32, 16
+# (layout, deterministic dkv, backward kernel: "n" plain / "t" transposed formulation)
+MLA_MODES = [("packed", True, "n"), ("packed", False, "t"), ("cp", True, "t"), ("cp", False, "n"),
+             ("empty_rows", True, "t")]
+TOPK_CASES = [("batch2", 5), ("packed", 64), ("cp", 5), ("empty_rows", 64)]  # 64: more than any window
+
+
+def build_cases():
+    g = torch.Generator().manual_seed(0)
+    cases = {}
+    for name, topk in TOPK_CASES:
+        ks, qe, n_k = LAYOUTS[name]()
+        q, k, w = int_inputs(ks.numel(), n_k, 4, 16, g)
+        if True:
+            cases[f"topk_{name}_{topk}"] = dict(kind="topk", q_idx=q, k_idx=k, weights=w, topk=topk, key_start=ks,
+                                                query_end=qe, scale=0.25)
+    for name, heads, topk in (("packed", 3, 8), ("cp", 20, 16), ("empty_rows", 2, 12)):  # 20: two head groups
+        ks, qe, n_k = LAYOUTS[name]()
+        n_q = ks.numel()
+        idx = random_indices(ks, qe, topk, g)
+        q = torch.randn(n_q, heads, D_V + D_ROPE, generator=g)
+        kv = torch.randn(n_k, D_V + D_ROPE, generator=g)
+        cases[f"mla_{name}"] = dict(kind="mla", modes=[m[1:] for m in MLA_MODES if m[0] == name], q=q, kv=kv, indices=idx, scale=0.3, d_v=D_V,
+                                    d_out=torch.randn(n_q, heads, D_V, generator=g),
+                                    d_lse=torch.randn(n_q, heads, generator=g))
+        qi, ki, w = (torch.randn(n_q, 4, 8, generator=g), torch.randn(n_k, 8, generator=g),
+                     torch.rand(n_q, 4, generator=g))
+        mask = torch.rand(n_q, generator=g) > 0.2
+        cases[f"kl_{name}"] = dict(kind="kl", q_idx=qi, k_idx=ki, weights=w, idx_scale=0.5, q=q, kv=kv, scale=0.3,
+                                   indices=idx, d_v=D_V, token_mask=mask, hook="mix" if name == "cp" else "none",
+                                   chunk=7)
+        if name == "packed":
+            cases["backend"] = dict(kind="backend", q=q, kv=kv, indices=idx, scale=0.3, d_v=D_V, key_start=ks,
+                                    query_end=qe)
+    return cases
+
+
+@pytest.fixture(scope="module")
+def interp(tmp_path_factory):
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (pip install triton)")
+    d = tmp_path_factory.mktemp("triton_interp")
+    cases = build_cases()
+    torch.save(cases, d / "cases.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "triton_interp_runner.py"), str(d / "cases.pt"),
+                           str(d / "results.pt")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return cases, torch.load(d / "results.pt")
+
+
+@needs_triton
+@pytest.mark.parametrize("name,topk", TOPK_CASES)
+def test_interp_indexer_topk_matches_reference_exactly(interp, name, topk):
+    cases, res = interp
+    c = cases[f"topk_{name}_{topk}"]
+    got = res[f"topk_{name}_{topk}"]
+    want = reference.indexer_topk(c["q_idx"], c["k_idx"], c["weights"], topk, c["key_start"], c["query_end"],
+                                  c["scale"])
+    assert got.dtype == torch.int32 and got.shape == want.shape
+    assert torch.equal(got, want)  # same keys, same order (descending score, ties -> smaller row), same -1 padding
+
+
+def _ref_mla(c):
+    q = c["q"].to(F64).requires_grad_()
+    kv = c["kv"].to(F64).requires_grad_()
+    out, lse = reference.sparse_mla(q, kv, c["indices"], c["scale"], c["d_v"])
+    loss = (out * c["d_out"].to(F64)).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * c["d_lse"].to(F64)).sum()
+    loss.backward()
+    return dict(out=out.detach(), lse=lse.detach(), dq=q.grad, dkv=kv.grad)
+
+
+@needs_triton
+@pytest.mark.parametrize("name,deterministic,kernel", MLA_MODES)
+def test_interp_sparse_mla_fwd_bwd(interp, name, deterministic, kernel):
+    cases, res = interp
+    want = _ref_mla(cases[f"mla_{name}"])
+    got = res[f"mla_{name}"][(deterministic, kernel)]
+    empty = torch.isinf(want["lse"])
+    assert torch.equal(torch.isinf(got["lse"]), empty)  # rows without keys: lse = -inf, out = 0
+    assert not torch.isnan(got["lse"]).any()
+    torch.testing.assert_close(got["lse"][~empty].to(F64), want["lse"][~empty], rtol=1e-5, atol=1e-5)
+    for key in ("out", "dq", "dkv"):
+        assert torch.isfinite(got[key]).all(), key
+        torch.testing.assert_close(got[key].to(F64), want[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["packed", "cp", "empty_rows"])
+def test_interp_indexer_kl_loss(interp, name):
+    cases, res = interp
+    c = cases[f"kl_{name}"]
+    got = res[f"kl_{name}"]
+    from triton_interp_runner import HOOKS
+
+    q_idx = c["q_idx"].to(F64).requires_grad_()
+    k_idx = c["k_idx"].to(F64).requires_grad_()
+    w = c["weights"].to(F64).requires_grad_()
+    kl, n = reference.indexer_kl_loss(q_idx, k_idx, w, c["idx_scale"], c["q"].to(F64), c["kv"].to(F64), c["scale"],
+                                      None, None, indices=c["indices"], token_mask=c["token_mask"],
+                                      head_sum_reduce=HOOKS[c["hook"]])
+    kl.backward()
+    assert got["n"] == n and n > 0
+    torch.testing.assert_close(got["kl"].to(F64), kl.detach(), rtol=1e-4, atol=1e-5)
+    for key, ref_grad in (("d_q_idx", q_idx.grad), ("d_k_idx", k_idx.grad), ("d_w", w.grad)):
+        torch.testing.assert_close(got[key].to(F64), ref_grad, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@needs_triton
+def test_interp_backend_dense_falls_back_and_sparse_uses_kernel(interp):
+    cases, res = interp
+    c = cases["backend"]
+    dense = reference.sparse_mla(c["q"], c["kv"], None, c["scale"], c["d_v"], c["key_start"], c["query_end"])[0]
+    torch.testing.assert_close(res["backend"]["dense"], dense)
+    sparse = reference.sparse_mla(c["q"].to(F64), c["kv"].to(F64), c["indices"], c["scale"], c["d_v"])[0]
+    torch.testing.assert_close(res["backend"]["sparse"].to(F64), sparse, rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+def test_backend_registry_and_deterministic_env(monkeypatch):
+    from megatron_glm5.ops import backends
+
+    b = backends.BACKENDS["triton"]
+    assert isinstance(b, backends.TritonBackend) and b.implemented
+    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    with pytest.raises(backends.BackendUnavailable, match="--attn triton needs a CUDA GPU"):
+        backends.get_backend("triton")
+    assert backends.get_backend("auto").name == "torch"
+    monkeypatch.setattr(backends, "_cuda_available", lambda: True)
+    assert backends.get_backend("triton") is b and backends.get_backend("auto") is b
+    code = ("import os, sys; os.environ['GLM5_TRITON_DETERMINISTIC'] = sys.argv[1]; "
+            "from megatron_glm5.ops import triton_sparse_mla as m; print(m.deterministic_default())")
+    outs = [subprocess.run([sys.executable, "-c", code, v], capture_output=True, text=True, timeout=120)
+            for v in ("0", "1", "maybe")]
+    assert outs[0].stdout.strip() == "False" and outs[1].stdout.strip() == "True"
+    assert outs[2].returncode != 0 and "GLM5_TRITON_DETERMINISTIC must be 0 or 1" in outs[2].stderr
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU: real shapes (h = 64, d = 576 = 512 + 64, top-k 2048, indexer 32 x 128), bf16 vs the fp32 reference
+# ----------------------------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()),
+                                reason="needs a CUDA GPU and triton (run on the device machine)")
+S_GPU, H, DQK, DV, TOPK, HI, DI = 4096, 64, 576, 512, 2048, 32, 128
+
+
+GPU_BWD_T = dict(KERNEL="t", BLOCK_N=32, H_SPLIT=1, num_warps=8, num_stages=1)
+
+
+def rel_l2(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def gpu_causal_indices(ks, qe, topk, gen):
+    """Random distinct keys of each window (all of it when it is shorter than topk), -1 padded, on the GPU."""
+    n = ks.numel()
+    j = torch.arange(int(qe.max()) + 1, device=ks.device)
+    r = torch.rand(n, j.numel(), device=ks.device, generator=gen)
+    inside = (j[None, :] >= ks[:, None]) & (j[None, :] <= qe[:, None])
+    r = torch.where(inside, r, -1.0)
+    val, idx = torch.topk(r, topk, dim=-1)
+    return torch.where(val >= 0, idx, -1).int()
+
+
+def gpu_layouts():
+    ks, qe, _ = batch_layout([S_GPU])
+    pks, pqe, _ = packed_layout(S_GPU, [0, 1000, 1001, 3000])
+    return {"causal": (ks.cuda(), qe.cuda()), "packed": (pks.cuda(), pqe.cuda())}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("layout,bwd", [("causal", "default"), ("packed", "default"), ("causal", "transposed")])
+def test_gpu_sparse_mla_real_shapes(layout, bwd):
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ks, qe = gpu_layouts()[layout]
+    idx = gpu_causal_indices(ks, qe, TOPK, gen)
+    q = torch.randn(S_GPU, H, DQK, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(S_GPU, DQK, device="cuda", generator=gen).bfloat16()
+    d_out = torch.randn(S_GPU, H, DV, device="cuda", generator=gen).bfloat16()
+    scale = DQK ** -0.5
+    out = torch.full((S_GPU, H, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((S_GPU, H), float("nan"), device="cuda")
+    tsm.sparse_mla_fwd(q, kv, idx, scale, DV, out=out, lse=lse)
+    qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
+    ro, rl = reference.sparse_mla(qr, kvr, idx, scale, DV)
+    (ro * d_out.float()).sum().backward()
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel_l2(out, ro) <= 1e-2 and rel_l2(lse, rl) <= 1e-2
+    grads = {}
+    cfg = GPU_BWD_T if bwd == "transposed" else None
+    for det in (True, False):
+        dq = torch.full_like(q, float("nan"))
+        grads[det, str(cfg)] = g = tsm.sparse_mla_bwd(q, kv, idx, out, lse, d_out, None, scale, DV,
+                                                       deterministic=det, dq=dq, config=cfg)
+        for name, g, want in (("dq", g[0], qr.grad), ("dkv", g[1], kvr.grad)):
+            assert not g.isnan().any(), name
+            assert rel_l2(g, want) <= 1e-2, (name, det, cfg, rel_l2(g, want))
+    again = tsm.sparse_mla_bwd(q, kv, idx, out, lse, d_out, None, scale, DV, deterministic=True, config=cfg)
+    assert torch.equal(again[1], grads[True, str(cfg)][1]) and torch.equal(again[0], grads[True, str(cfg)][0])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("layout", ["causal", "packed"])
+def test_gpu_indexer_topk_real_shapes(layout):
+    from megatron_glm5.ops import triton_indexer
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    ks, qe = gpu_layouts()[layout]
+    # exact arithmetic at real shapes: identical lists, tie rule included
+    qi = torch.randint(-2, 3, (S_GPU, HI, DI), device="cuda", generator=gen).bfloat16()
+    ki = torch.randint(-2, 3, (S_GPU, DI), device="cuda", generator=gen).bfloat16()
+    w = torch.randint(-2, 3, (S_GPU, HI), device="cuda", generator=gen).float() * 0.5
+    got = triton_indexer.indexer_topk(qi, ki, w, TOPK, ks, qe, 0.25)
+    assert torch.equal(got, reference.indexer_topk(qi, ki, w, TOPK, ks, qe, 0.25))
+    # random bf16 data: same sets except where two scores are within fp32 rounding of the k-th score
+    qi = torch.randn(S_GPU, HI, DI, device="cuda", generator=gen).bfloat16()
+    ki = torch.randn(S_GPU, DI, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(S_GPU, HI, device="cuda", generator=gen) * HI ** -0.5
+    scale = DI ** -0.5
+    got = triton_indexer.indexer_topk(qi, ki, w, TOPK, ks, qe, scale)
+    want = reference.indexer_topk(qi, ki, w, TOPK, ks, qe, scale)
+    same_rows = (torch.sort(got, dim=-1).values == torch.sort(want, dim=-1).values).all(dim=-1)
+    assert float(same_rows.float().mean()) >= 0.99
+    for t in torch.nonzero(~same_rows).flatten().tolist():
+        s = reference.indexer_scores_naive(qi[t:t + 1], ki, w[t:t + 1], scale)[0]
+        kth = s[want[t][want[t] >= 0]].min()
+        diff = set(got[t].tolist()) ^ set(want[t].tolist())
+        assert all(abs(float(s[j] - kth)) <= 1e-5 * (1 + abs(float(kth))) for j in diff if j >= 0), t
+
+
+@gpu
+@needs_cuda
+def test_gpu_indexer_kl_loss_real_shapes():
+    from megatron_glm5.ops import triton_kl
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    ks, qe = gpu_layouts()["causal"]
+    idx = gpu_causal_indices(ks, qe, TOPK, gen)
+    q = torch.randn(S_GPU, H, DQK, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(S_GPU, DQK, device="cuda", generator=gen).bfloat16()
+    qi = torch.randn(S_GPU, HI, DI, device="cuda", generator=gen).bfloat16()
+    ki = torch.randn(S_GPU, DI, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(S_GPU, HI, device="cuda", generator=gen) * HI ** -0.5
+    p = torch.full((S_GPU, TOPK), float("nan"), device="cuda")
+    triton_kl.head_summed_probs(q, kv, idx, DQK ** -0.5, DV, out=p)
+    assert not p.isnan().any()
+    res = []
+    for fn in (triton_kl.indexer_kl_loss_sparse, None):
+        a = [x.clone().float().requires_grad_() for x in (qi, ki, w)]
+        if fn is None:
+            kl, n = reference.indexer_kl_loss(a[0], a[1], a[2], DI ** -0.5, q.float(), kv.float(), DQK ** -0.5,
+                                              None, None, indices=idx)
+        else:
+            kl, n = fn(a[0], a[1], a[2], DI ** -0.5, q, kv, DQK ** -0.5, idx, DV)
+        kl.backward()
+        res.append((kl.detach(), n, [x.grad for x in a]))
+    (kl_t, n_t, g_t), (kl_r, n_r, g_r) = res
+    assert n_t == n_r and abs(float(kl_t - kl_r)) <= 1e-2 * abs(float(kl_r))
+    for gt, gr in zip(g_t, g_r):
+        assert not gt.isnan().any() and rel_l2(gt, gr) <= 1e-2

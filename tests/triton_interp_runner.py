@@ -1,0 +1,76 @@
+"""Runs the Triton kernels under TRITON_INTERPRET=1 (CPU) for tests/test_ops_triton.py.
+
+Usage: python tests/triton_interp_runner.py CASES.pt RESULTS.pt
+Reads a dict of named cases (inputs only), runs each through megatron_glm5.ops.triton_* and saves the outputs.
+A separate process because the interpreter must be chosen before triton is first imported.
+"""
+
+import os
+import sys
+
+import torch
+
+HOOKS = {"none": None, "mix": lambda x: x + 0.25 * x.roll(1, dims=-1)}
+
+
+def run_topk(c):
+    from megatron_glm5.ops import triton_indexer
+
+    return triton_indexer.indexer_topk(c["q_idx"], c["k_idx"], c["weights"], c["topk"], c["key_start"],
+                                       c["query_end"], c["scale"], config=dict(BLOCK_N=64, N_ITERS=1))
+
+
+def run_mla(c):
+    from megatron_glm5.ops import triton_sparse_mla
+
+    q = c["q"].clone().requires_grad_()
+    kv = c["kv"].clone().requires_grad_()
+    res = {}
+    default = dict(triton_sparse_mla.BWD_CONFIG)
+    for det, kernel in c["modes"]:
+        q.grad = kv.grad = None
+        triton_sparse_mla.BWD_CONFIG.update(KERNEL=kernel, BLOCK_N=16, H_SPLIT=2)
+        out, lse = triton_sparse_mla.sparse_mla(q, kv, c["indices"], c["scale"], c["d_v"], deterministic=det)
+        loss = (out * c["d_out"]).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * c["d_lse"]).sum()
+        loss.backward()
+        triton_sparse_mla.BWD_CONFIG.update(default)
+        res[(det, kernel)] = dict(out=out.detach(), lse=lse.detach(), dq=q.grad.clone(), dkv=kv.grad.clone())
+    return res
+
+
+def run_kl(c):
+    from megatron_glm5.ops import triton_kl
+
+    q_idx = c["q_idx"].clone().requires_grad_()
+    k_idx = c["k_idx"].clone().requires_grad_()
+    w = c["weights"].clone().requires_grad_()
+    kl, n = triton_kl.indexer_kl_loss_sparse(
+        q_idx, k_idx, w, c["idx_scale"], c["q"], c["kv"], c["scale"], c["indices"], c["d_v"],
+        token_mask=c.get("token_mask"), head_sum_reduce=HOOKS[c.get("hook", "none")], chunk_size=c.get("chunk"))
+    kl.backward()
+    return dict(kl=kl.detach(), n=n, d_q_idx=q_idx.grad, d_k_idx=k_idx.grad, d_w=w.grad)
+
+
+def run_backend(c):
+    from megatron_glm5.ops.backends import TritonBackend
+
+    b = TritonBackend(deterministic=True)
+    out_dense, _ = b.sparse_mla(c["q"], c["kv"], None, c["scale"], c["d_v"], c["key_start"], c["query_end"])
+    out_sparse, _ = b.sparse_mla(c["q"], c["kv"], c["indices"], c["scale"], c["d_v"])
+    return dict(dense=out_dense, sparse=out_sparse)
+
+
+RUNNERS = {"topk": run_topk, "mla": run_mla, "kl": run_kl, "backend": run_backend}
+
+
+def main(cases_path, results_path):
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported (by the runners' imports)
+    if "triton" in sys.modules:
+        raise RuntimeError("triton was imported before TRITON_INTERPRET was set")
+    cases = torch.load(cases_path)
+    results = {name: RUNNERS[c["kind"]](c) for name, c in cases.items()}
+    torch.save(results, results_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
