@@ -1020,6 +1020,9 @@ def transformer_config_class():
         """eps of q_a / kv_a RMSNorms and of the indexer k_norm LayerNorm (transformers hard-codes 1e-6)."""
         moe_norm_topk_prob: bool = True
         """Normalise the selected sigmoid scores to sum 1 before routed_scaling_factor."""
+        moe_hybridep_node_size: Optional[int] = None
+        """--node-size: GPUs per node for --dispatcher hybridep's torch.distributed implementation
+        (model/hybridep_dispatcher.py; None: $LOCAL_WORLD_SIZE, else min(world size, 8))."""
         fp32_router_and_indexer_weights: bool = True
         """Keep the router weight and the indexer's weights_proj in fp32 whatever params_dtype is (transformers'
         choice; right for inference). Training turns it off: megatron-core's bf16 optimizers need one parameter

@@ -25,25 +25,12 @@ of those checks is shown to fail with the fix taken out.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-LAUNCH_TIMEOUT = 300
-
-STEPS, RESUME_AT = 6, 3
-TRAIN = ["--preset", "tiny", "--attn", "torch", "--seq-length", "64", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--lr-warmup-iters", "0", "--log-interval", "1", "--eval-iters", "0",
-         "--seed", "1234"]
-LOSS_RTOL = 1e-6
-GRAD_NORM_RTOL = 5e-6
+from layouts_harness import RESUME_AT, STEPS, _assert_steps_match, _launch, _train
 
 LAYOUTS = {
     "tp2-sp": ["--tp", "2", "--sequence-parallel"],
@@ -53,73 +40,15 @@ LAYOUTS = {
 }
 
 
-def _env():
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("MEGATRON_GLM5_DISABLE_SHIMS", None)
-    return env
-
-
-def _launch(nproc: int, script: str, args: list[str], log: Path):
-    cmd = TORCHRUN + ["--nproc-per-node", str(nproc), script] + args
-    with open(log, "w") as f:
-        r = subprocess.run(cmd, cwd=REPO, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=LAUNCH_TIMEOUT)
-    if r.returncode:
-        tail = log.read_text()[-4000:]
-        pytest.fail(f"{' '.join(cmd)} exited with {r.returncode}; end of {log}:\n{tail}")
-
-
-def _train(nproc: int, out: Path, *extra: str) -> dict:
-    """Run finetune_glm5.py; {iteration: metrics} of the logged steps."""
-    out.mkdir(parents=True, exist_ok=True)
-    _launch(nproc, "finetune_glm5.py", TRAIN + ["--tensorboard-dir", str(out / "tb"), *extra], out / "log.txt")
-    steps = {}
-    for line in (out / "tb" / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "lm-loss" in rec:
-            steps[rec["iteration"]] = rec
-    return steps
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
-
-
-def _assert_steps_match(run: dict, ref: dict, steps, what: str):
-    assert sorted(run) == list(steps), f"{what}: logged iterations {sorted(run)}, expected {list(steps)}"
-    loss = {i: _rel(run[i]["lm-loss"], ref[i]["lm-loss"]) for i in steps}
-    gnorm = {i: _rel(run[i]["grad-norm"], ref[i]["grad-norm"]) for i in steps}
-    print(f"{what}: max relative difference lm-loss {max(loss.values()):.2e}, grad-norm {max(gnorm.values()):.2e}")
-    bad = {i: (run[i]["lm-loss"], ref[i]["lm-loss"]) for i in steps if loss[i] > LOSS_RTOL}
-    assert not bad, f"{what}: lm-loss differs from the single-process run by more than {LOSS_RTOL:g} (run, ref): {bad}"
-    bad = {i: (run[i]["grad-norm"], ref[i]["grad-norm"]) for i in steps if gnorm[i] > GRAD_NORM_RTOL}
-    assert not bad, f"{what}: grad norm differs by more than {GRAD_NORM_RTOL:g} (run, ref): {bad}"
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Training: layouts and resume
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """(start checkpoint, reference checkpoint root, reference steps {iteration: metrics}, work directory)."""
-    root = tmp_path_factory.mktemp("layouts")
-    start = root / "start"
-    _train(1, root / "start_run", "--train-iters", "1", "--save", str(start))
-    ref_ckpt = root / "ref_ckpt"
-    ref = _train(1, root / "ref", "--load", str(start), "--finetune", "--train-iters", str(STEPS),
-                 "--save", str(ref_ckpt), "--save-interval", str(RESUME_AT))
-    assert sorted(ref) == list(range(1, STEPS + 1))
-    assert (ref_ckpt / f"iter_{RESUME_AT:07d}").is_dir()
-    return start, ref_ckpt, ref, root
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(reference, layout):
-    start, _, ref, root = reference
+def test_layout_matches_single_process(layouts_reference, layout):
+    start, _, ref, root = layouts_reference
     run = _train(2, root / layout, "--load", str(start), "--finetune", "--train-iters", str(STEPS), "--no-save",
                  *LAYOUTS[layout])
     _assert_steps_match(run, ref, range(1, STEPS + 1), layout)
@@ -127,8 +56,8 @@ def test_layout_matches_single_process(reference, layout):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["tp2-sp", "pp2"])
-def test_resume_single_process_checkpoint_at_another_layout(reference, layout):
-    _, ref_ckpt, ref, root = reference
+def test_resume_single_process_checkpoint_at_another_layout(layouts_reference, layout):
+    _, ref_ckpt, ref, root = layouts_reference
     out = root / f"resume-{layout}"
     run = _train(2, out, "--load", str(ref_ckpt / f"iter_{RESUME_AT:07d}"), "--train-iters", str(STEPS),
                  "--no-save", *LAYOUTS[layout])
@@ -237,32 +166,3 @@ def test_gradients_match_single_process(grad_reference, layout):
     _, _, ref = grad_reference
     out = _grad_run(grad_reference, "".join(layout).replace("-", ""), layout)
     assert not _mismatches(_grads(out, "ok"), ref)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Pipeline splits and IndexShare (in process: only the layer specs are built)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def test_pipeline_stage_starting_with_a_shared_indexer_layer_is_refused_clearly():
-    """tiny-indexshare is F S F S: PP2 keeps each shared layer with its full layer; PP4 (or PP2 x VPP2) would give
-    stage 1 a shared layer whose top-k is computed on stage 0, which is not implemented: refused before the model
-    is built, by every rank alike (check_pipeline_split looks at all stages)."""
-    from megatron_glm5.config import GLM5Config
-    from megatron_glm5.errors import UserError
-    from megatron_glm5.model.spec import check_pipeline_split, decoder_block_spec
-
-    cfg = GLM5Config.from_preset("tiny-indexshare")
-    assert list(cfg.indexer_types) == ["full", "shared", "full", "shared"]
-    pp2 = cfg.to_transformer_config(pipeline_model_parallel_size=2)
-    check_pipeline_split(pp2)
-    assert [len(decoder_block_spec(pp2, pp_rank=r).layer_specs) for r in range(2)] == [2, 2]
-    pp4 = cfg.to_transformer_config(pipeline_model_parallel_size=4)
-    with pytest.raises(UserError, match=r"--pp 4: pipeline stage 1 .* layer 1 is an IndexShare .* full layer 0"):
-        check_pipeline_split(pp4)
-    vpp = cfg.to_transformer_config(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)
-    with pytest.raises(UserError, match=r"--pp 2 --vpp 2: pipeline stage 1 \(virtual stage 0\)"):
-        check_pipeline_split(vpp)
-    tiny = GLM5Config.from_preset("tiny").to_transformer_config(pipeline_model_parallel_size=4)
-    check_pipeline_split(tiny)
-    assert all(len(decoder_block_spec(tiny, pp_rank=r).layer_specs) == 1 for r in range(4))

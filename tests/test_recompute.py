@@ -50,3 +50,27 @@ def test_layernorm_recompute_without_te_is_refused():
     megatron_glm5.initialize_model_parallel()
     with pytest.raises(ValueError, match="layernorm needs Transformer Engine"):
         build_model(GLM5Config.from_preset("tiny"), recompute_granularity="selective", recompute_modules=["layernorm"])
+
+
+def _warmup_indexer_grads(**recompute):
+    """--dsa-stage dense-warmup: everything but the indexers frozen (as training/loop.py does)."""
+    megatron_glm5.initialize_model_parallel(seed=11)
+    model = build_model(GLM5Config.from_preset("tiny-indexshare"), dsa_stage="dense-warmup",
+                        dsa_indexer_loss_coeff=0.1, **recompute).train()
+    for n, p in model.named_parameters():
+        p.requires_grad_(".indexer." in n)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 41), generator=g).to(model.output_layer.weight.device)
+    model(ids[:, :-1], labels=ids[:, 1:]).float().mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_selective_core_attn_recompute_keeps_the_warmup_indexer_loss():
+    """With only the indexers trainable nothing entering the recomputed core attention needs a gradient, so a
+    checkpoint there would never run its backward and the indexer KL loss would silently vanish (grad norm 0)."""
+    ref = _warmup_indexer_grads()
+    got = _warmup_indexer_grads(recompute_granularity="selective", recompute_modules=["core_attn"])
+    assert ref and ref.keys() == got.keys()
+    assert all(g.abs().sum() > 0 for g in ref.values())
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n, rtol=1e-6, atol=1e-9)

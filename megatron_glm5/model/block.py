@@ -8,6 +8,11 @@ capture everything else in the recomputed closure, like megatron-core does for p
 Recomputed DSA layers are exact: top-k is deterministic, so a full layer writes the same indices again and shared
 layers read the entry of their own forward; losses attached in forward (indexer KL, MoE aux) are computed once,
 in the recomputation (the first pass runs without grad).
+
+IndexShare across pipeline stages also happens here, once per forward of a model chunk: a chunk that starts on a
+shared layer receives the top-k of its full layer from the previous stage before its layers run, and a chunk whose
+successor starts on a shared layer sends it after them (model/pipeline_topk.py). Recomputation replays the layers
+against the same per-forward store, so it needs no second transfer.
 """
 from __future__ import annotations
 
@@ -17,12 +22,37 @@ from contextlib import nullcontext
 from megatron.core import tensor_parallel
 from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
 from megatron.core.transformer.transformer_block import TransformerBlock
-from megatron.core.utils import make_viewless_tensor
+from megatron.core.utils import get_pg_rank, make_viewless_tensor
+
+from megatron_glm5.model import pipeline_topk
 
 
 class GLM5TransformerBlock(TransformerBlock):
 
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        links = self._topk_links()
+        inputs = kwargs.get("rotary_pos_emb")
+        if (links.receive or links.send) and inputs is None:
+            raise RuntimeError("GLM5TransformerBlock: IndexShare across pipeline stages needs the forward's "
+                               "AttentionInputs (rotary_pos_emb keyword, built by GLM5Model)")
+        if links.receive is not None:
+            pipeline_topk.receive(inputs, links.receive, self.config.dsa_index_topk)
+        out = self._forward_layers(hidden_states, attention_mask, *args, **kwargs)
+        if links.send is not None:
+            pipeline_topk.send(inputs, links.send)
+        return out
+
+    def _topk_links(self):
+        links = self.__dict__.get("_glm5_topk_links")
+        if links is None:
+            from megatron_glm5.model.spec import topk_links  # spec imports this module
+
+            pp = getattr(self.pg_collection, "pp", None)
+            links = topk_links(self.config, self.vp_stage, get_pg_rank(pp) if pp is not None else None)
+            self.__dict__["_glm5_topk_links"] = links
+        return links
+
+    def _forward_layers(self, hidden_states, attention_mask, *args, **kwargs):
         cfg = self.config
         if not (cfg.recompute_granularity == "full" and self.training):
             return super().forward(hidden_states, attention_mask, *args, **kwargs)

@@ -51,9 +51,11 @@ class GLM5Indexer(MegatronModule):
             config.init_method(lin.weight)
         self.softmax_scale = di ** -0.5
 
-    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [s, b, H], q_resid [s, b, q_lora] -> q [T, Hi, Di], k [T, Di], weights [T, Hi] (fp32), T = b*s."""
+    def forward(self, x: torch.Tensor, q_resid: torch.Tensor, inputs):
+        """x [s, b, H], q_resid [s, b, q_lora] -> q [T, Hi, Di], weights [T, Hi] (fp32) of the T = b*s local
+        queries and k [Tk, Di] of every key row (``inputs.gather_keys``: all-gathered over context parallelism)."""
         s, b, _ = x.shape
+        cos, sin = inputs.cos, inputs.sin
         q = self.linear_wq_b(q_resid).view(s, b, self.n_heads, self.head_dim)
         k = self.k_norm(self.linear_wk(x))
         r = self.rope_dim
@@ -61,7 +63,7 @@ class GLM5Indexer(MegatronModule):
         k = torch.cat([apply_interleaved_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
         w = F.linear(x.to(torch.float32), self.linear_weights_proj.weight.float()) * (self.n_heads ** -0.5)
         to_tokens = lambda t: t.transpose(0, 1).reshape(b * s, *t.shape[2:])
-        return to_tokens(q), to_tokens(k), to_tokens(w)
+        return to_tokens(q), inputs.gather_keys(k), to_tokens(w)
 
 
 class GLM5SparseAttention(MegatronModule):
@@ -105,7 +107,8 @@ class GLM5SparseAttention(MegatronModule):
         return all_reduce
 
     def forward(self, q, kv, x, q_resid, inputs):
-        """q [T, h, Dqk] (absorbed), kv [T, Dqk] latent|rope; x [s, b, H], q_resid [s, b, q_lora] detached.
+        """q [T, h, Dqk] (absorbed) of the local queries, kv [Tk, Dqk] latent|rope of every key row (all CP ranks'
+        tokens in global order, see AttentionInputs); x [s, b, H], q_resid [s, b, q_lora] local, detached.
 
         Returns the latent attention output [T, h, kv_lora_rank].
         """
@@ -122,7 +125,7 @@ class GLM5SparseAttention(MegatronModule):
             indices = inputs.topk_store[self.store_key]
         elif self.indexer is not None and (sparse or with_loss):
             with torch.set_grad_enabled(with_loss):
-                q_idx, k_idx, w_idx = self.indexer(x, q_resid, inputs.cos, inputs.sin)
+                q_idx, k_idx, w_idx = self.indexer(x, q_resid, inputs)
             if sparse:
                 indices = self.backend.indexer_topk(
                     q_idx.detach(), k_idx.detach(), w_idx.detach(), topk, inputs.key_start, inputs.query_end,

@@ -23,6 +23,10 @@ Tensor parallelism (heads split over TP ranks) — all communication of this mod
   their weight gradients are complete on every TP rank (norm.latent_rms_norm keeps megatron-core's
   finalize_model_grads from summing q_layernorm's over TP a second time).
 Tested against one process, gradient by gradient: tests/test_layouts_cpu.py.
+
+Context parallelism: queries stay local; the shared key ``[latent | k_rope]`` is all-gathered over the CP
+group into global token order (``AttentionInputs.gather_keys``, after RoPE with the global positions), so the
+core attention sees every key row of the sequence (tests/test_layouts_cp.py).
 """
 from __future__ import annotations
 
@@ -104,8 +108,12 @@ class GLM5MLASelfAttention(MLASelfAttention):
 
         to_tokens = lambda t: t.transpose(0, 1).reshape(b * s, *t.shape[2:])
         core = lambda q_, kv_, x_, qr_: self.core_attention(q_, kv_, x_, qr_, inputs)
-        core_args = (to_tokens(q_abs), to_tokens(kv), x.detach(), q_resid.detach())
-        if self.recompute_core_attention and self.training:
+        # keys of the whole sequence: all-gathered over context parallelism, in global token order
+        core_args = (to_tokens(q_abs), inputs.gather_keys(kv), x.detach(), q_resid.detach())
+        # Recompute only when a gradient flows into the core: with nothing upstream trainable (--dsa-stage
+        # dense-warmup trains the indexers alone) the checkpoint's backward would never run, and with it the
+        # indexer loss the core attaches in the recomputation.
+        if self.recompute_core_attention and self.training and any(t.requires_grad for t in core_args):
             out_lat = tensor_parallel.checkpoint(core, False, *core_args)
         else:
             out_lat = core(*core_args)

@@ -15,7 +15,10 @@ from megatron.core.models.gpt import GPTModel
 
 from megatron_glm5.model.attention_inputs import build_attention_inputs
 from megatron_glm5.model.block import GLM5TransformerBlock
-from megatron_glm5.model.spec import check_pipeline_split, decoder_block_spec, mtp_block_spec
+from megatron_glm5.model.context_parallel import setup_context_parallel
+from megatron_glm5.model.hybridep_dispatcher import hybridep_backend, setup_hybridep_groups
+from megatron_glm5.model import pipeline_topk
+from megatron_glm5.model.spec import check_pipeline_split, decoder_block_spec, mtp_block_spec, needs_topk_transfer
 
 
 class _DropGPTModelDeprecation(logging.Filter):
@@ -50,7 +53,8 @@ class GLM5Model(GPTModel):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu_seqlens = packed_seq_params.cu_seqlens_q
         cfg = self.config
-        out[1] = build_attention_inputs(position_ids, cfg.qk_pos_emb_head_dim, cfg.rotary_base, cu_seqlens=cu_seqlens)
+        out[1] = build_attention_inputs(position_ids, cfg.qk_pos_emb_head_dim, cfg.rotary_base, cu_seqlens=cu_seqlens,
+                                        cp_group=self.pg_collection.cp)
         return tuple(out)
 
 
@@ -89,12 +93,11 @@ def build_model(config, *, pre_process: Optional[bool] = None, post_process: Opt
         tcfg = config
     _check_selective_recompute(tcfg)
     check_pipeline_split(tcfg)
-    if tcfg.context_parallel_size > 1:
-        raise ValueError("--cp: context parallelism with DSA (keys gathered across CP ranks, top-k in global "
-                         "positions) is not in this release yet; use --cp 1")
-    if tcfg.moe_token_dispatcher_type == "hybridep":
-        raise ValueError("--dispatcher hybridep (the hierarchical intra-/inter-node dispatcher) is not in this "
-                         "release yet; use --dispatcher alltoall (the same routing and numbers)")
+    if needs_topk_transfer(tcfg):  # collective: every rank builds the same layout
+        pipeline_topk.setup_groups()
+    setup_context_parallel(tcfg)
+    if tcfg.moe_token_dispatcher_type == "hybridep" and hybridep_backend() == "torch":
+        setup_hybridep_groups(tcfg)  # collective: every rank creates the intra-/inter-node groups
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:

@@ -6,18 +6,26 @@ weights do not; optional group-limited selection scores each group by the sum of
 (transformers' rule — megatron-core scores groups by the top topk/group_topk, which differs when that is not 2);
 weights are normalised over the chosen experts (+1e-20) and scaled by routed_scaling_factor (2.5).
 
+Layer: megatron-core's MoELayer; ``--dispatcher hybridep`` (not a megatron-core dispatcher type) becomes
+megatron-core's flex dispatcher with its HybridEP backend when deep_ep is usable, else the torch.distributed
+hierarchical dispatcher of model/hybridep_dispatcher.py.
+
 Experts: all local experts' weights stacked in two tensors (HF layout: gate rows then up rows), applied with
 torch's grouped GEMM (``torch.nn.functional.grouped_mm``); a per-expert loop where grouped_mm is unavailable.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
 
+from megatron_glm5.model.hybridep_dispatcher import HierarchicalTokenDispatcher, hybridep_backend
 from megatron_glm5.model.params import param_device
 
 
@@ -158,3 +166,24 @@ class GLM5GroupedExperts(MegatronModule):
                 (n, ep_rank, ep_size), (n + tp_axis, etp_rank, self.etp),
                 replica_id=replica, prepend_axis_num=n)
         return out
+
+
+class GLM5MoELayer(MoELayer):
+    """megatron-core's MoELayer; with ``moe_token_dispatcher_type == "hybridep"`` the layer runs on a copy of
+    the config that names what it really uses: ``flex`` + ``moe_flex_dispatcher_backend="hybridep"`` (DeepEP)
+    or ``alltoall`` with the dispatcher replaced by :class:`HierarchicalTokenDispatcher` (same interface)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False,
+                 name=None):
+        backend = hybridep_backend() if config.moe_token_dispatcher_type == "hybridep" else None
+        if backend is not None:
+            config = copy.copy(config)
+            if backend == "deep_ep":
+                config.moe_token_dispatcher_type, config.moe_flex_dispatcher_backend = "flex", "hybridep"
+            else:
+                config.moe_token_dispatcher_type = "alltoall"
+        super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection,
+                         is_mtp_layer=is_mtp_layer, name=name)
+        if backend == "torch":
+            self.token_dispatcher = HierarchicalTokenDispatcher(
+                self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)

@@ -5,14 +5,15 @@ Layer numbers are megatron-core's (1-based, global). HF layer i is megatron laye
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import Optional
 
-from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.multi_token_prediction import (
@@ -27,7 +28,7 @@ from megatron_glm5.errors import UserError
 from megatron_glm5.model.block import GLM5MTPLayer
 from megatron_glm5.model.dsa import MTP_STORE_KEY, GLM5SparseAttention
 from megatron_glm5.model.mla import GLM5MLASelfAttention
-from megatron_glm5.model.moe import GLM5GroupedExperts, GLM5Router
+from megatron_glm5.model.moe import GLM5GroupedExperts, GLM5MoELayer, GLM5Router
 from megatron_glm5.model.norm import GLM5RMSNorm, latent_rms_norm
 
 def index_source_layer(indexer_types, layer_index: int) -> int:
@@ -46,7 +47,7 @@ def _mlp_spec(moe: bool):
     linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     if not moe:
         return partial(MLP.as_mlp_submodule, submodules=linears)
-    return partial(MoELayer, submodules=MoESubmodules(
+    return partial(GLM5MoELayer, submodules=MoESubmodules(
         experts=GLM5GroupedExperts, shared_experts=partial(_shared_experts, submodules=linears), router=GLM5Router))
 
 
@@ -92,31 +93,19 @@ def decoder_layer_specs(config) -> list[ModuleSpec]:
 
 
 class IndexShareAcrossStagesError(UserError, NotImplementedError):
-    """A pipeline stage would need the top-k of a full-indexer layer that runs on an earlier stage."""
+    """A layout needs IndexShare top-k across pipeline stages where it cannot be passed on."""
 
 
-def _check_index_share_within_stage(config, offset: int, n: int, vp_stage, pp_rank):
-    """Each model chunk builds its own AttentionInputs (and IndexShare store) per forward, so a 'shared' layer
-    must find its full layer in the same chunk. Passing top-k indices between pipeline stages is not
-    implemented yet: refuse such a split when the model is built, not in the middle of the first forward."""
-    types = config.dsa_indexer_types
-    for i in range(offset, offset + n):
-        if types[i] != "shared":
-            continue
-        src = index_source_layer(types, i)
-        if src < offset:
-            if pp_rank is None:
-                pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-            where = f"pipeline stage {pp_rank}" + (f" (virtual stage {vp_stage})" if vp_stage is not None else "")
-            raise IndexShareAcrossStagesError(
-                f"--pp {config.pipeline_model_parallel_size}"
-                + (f" --vpp {config.virtual_pipeline_model_parallel_size}"
-                   if config.virtual_pipeline_model_parallel_size else "")
-                + f": {where} holds layers {offset}..{offset + n - 1} (0-based, as in indexer_types), and layer {i} "
-                f"is an IndexShare ('shared') layer that reuses the top-k of full layer {src} on an earlier stage; "
-                "sharing top-k across pipeline stages is not supported yet. Split the layers so that every stage "
-                "starts with a 'full' indexer layer (--decoder-first-pipeline-num-layers / "
-                "--decoder-last-pipeline-num-layers, or another --pp / --vpp)")
+@dataclass(frozen=True)
+class TopkLinks:
+    """IndexShare across a pipeline boundary, for one model chunk (megatron layer numbers, 1-based, or None).
+
+    ``receive``: the full layer whose top-k this chunk gets from the previous stage (its first layer is shared);
+    ``send``: the full layer whose top-k it hands to the next stage (the next chunk's first layer is shared),
+    computed here or, when this chunk has no full layer, the one it received. See model/pipeline_topk.py.
+    """
+    receive: Optional[int] = None
+    send: Optional[int] = None
 
 
 def _stage_layers(config, vp_stage, pp_rank) -> tuple[int, int]:
@@ -127,14 +116,53 @@ def _stage_layers(config, vp_stage, pp_rank) -> tuple[int, int]:
             get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
 
 
-def check_pipeline_split(config) -> None:
-    """Check every (pipeline stage, virtual stage) of the layout, so that every rank reports the same error
-    (a rank checking only its own stage would leave the others hanging in a collective)."""
+def topk_links(config, vp_stage=None, pp_rank=None) -> TopkLinks:
+    """Which top-k the chunk (pp_rank, vp_stage) receives and sends. Only the sparse DSA stage selects keys: in
+    dense-warmup nothing flows. Chunks follow megatron-core's order (chunk c of rank r feeds chunk c of rank r + 1,
+    chunk c of the last rank feeds chunk c + 1 of rank 0), so a boundary is where this chunk starts or ends."""
+    if config.pipeline_model_parallel_size == 1 or config.dsa_stage != "sparse":
+        return TopkLinks()
+    types = config.dsa_indexer_types
+    offset, n = _stage_layers(config, vp_stage, pp_rank)
+
+    def shared_source(i):  # layer number of the full layer a chunk starting at layer i needs, if i is shared
+        if 0 < i < len(types) and types[i] == "shared":
+            return index_source_layer(types, i) + 1
+        return None
+    return TopkLinks(receive=shared_source(offset), send=shared_source(offset + n))
+
+
+def _chunks(config):
     vpp = config.virtual_pipeline_model_parallel_size
     for pp_rank in range(config.pipeline_model_parallel_size):
         for vp_stage in (range(vpp) if vpp else [None]):
-            offset, n = _stage_layers(config, vp_stage, pp_rank)
-            _check_index_share_within_stage(config, offset, n, vp_stage, pp_rank)
+            yield pp_rank, vp_stage
+
+
+def needs_topk_transfer(config) -> bool:
+    """Whether some chunk of the layout receives IndexShare top-k from the previous pipeline stage."""
+    return any(topk_links(config, vp, r).receive is not None for r, vp in _chunks(config))
+
+
+def check_pipeline_split(config) -> None:
+    """Check every (pipeline stage, virtual stage) of the layout, so that every rank reports the same error (a rank
+    checking only its own stage would leave the others hanging in a collective).
+
+    A stage may start on an IndexShare layer: the top-k of its full layer comes from the previous stage
+    (model/pipeline_topk.py), through GLM5TransformerBlock.forward. Still refused: megatron-core's combined
+    1F1B schedule (``overlap_moe_expert_parallel_comm``), which runs the layers without the block's forward.
+    """
+    for pp_rank, vp_stage in _chunks(config):
+        links = topk_links(config, vp_stage, pp_rank)
+        if links.receive is None or not getattr(config, "overlap_moe_expert_parallel_comm", False):
+            continue
+        offset, _ = _stage_layers(config, vp_stage, pp_rank)
+        where = f"pipeline stage {pp_rank}" + (f" (virtual stage {vp_stage})" if vp_stage is not None else "")
+        raise IndexShareAcrossStagesError(
+            f"{where} starts on layer {offset} (0-based), an IndexShare ('shared') layer that needs the top-k "
+            f"of full layer {links.receive - 1} from the previous stage; overlap_moe_expert_parallel_comm runs "
+            "the layers without GLM5TransformerBlock.forward, which passes it on: turn that overlap off or split "
+            "the layers so that every stage starts with a 'full' indexer layer")
 
 
 def decoder_block_spec(config, vp_stage=None, pp_rank=None) -> TransformerBlockSubmodules:

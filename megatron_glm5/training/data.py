@@ -3,6 +3,8 @@
 A stream walks an endless sequence of global sample indices (shuffled per epoch with the run's seed); each
 micro-batch step consumes ``micro_batch_size * dp`` samples and this rank takes its slice. ``consumed`` (stored
 in checkpoints) is the only state, so a resumed run sees exactly the samples the uninterrupted run would have.
+Context-parallel ranks of one data-parallel replica read the same micro-batches; ``batch_for_this_cp_rank``
+(called by the forward step) keeps each rank's share of the sequence.
 """
 from __future__ import annotations
 
@@ -45,6 +47,24 @@ class MicroBatchStream:
         batch = self.collate([self.samples[self._index(g)] for g in range(start, start + self.mbs)])
         self.consumed += self.mbs * self.dp_size
         return batch
+
+
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")  # the [b, s] tensors of a micro-batch
+
+
+def batch_for_this_cp_rank(batch: dict, cp_size: int = None, cp_rank: int = None) -> dict:
+    """This context-parallel rank's share of a micro-batch: every [b, s] tensor split along the sequence into
+    2 * cp chunks, chunks r and 2cp-1-r kept (model/context_parallel.py). Position ids keep their global values
+    and ``cu_seqlens`` (packed rows) stays global: the attention windows are built from it. Default cp size and
+    rank: megatron-core's parallel state."""
+    from megatron_glm5.model.context_parallel import split_for_cp_rank
+
+    if cp_size is None:
+        from megatron.core import parallel_state as ps
+        cp_size, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    if cp_size == 1:
+        return batch
+    return {k: (split_for_cp_rank(v, cp_size, cp_rank) if k in SEQUENCE_KEYS else v) for k, v in batch.items()}
 
 
 def _to_device(batch: dict, device) -> dict:
@@ -118,11 +138,11 @@ def build_streams(args, tokenizer, consumed_train: int = 0):
         train_ds, valid_ds, _ = build_pretrain_datasets(
             blend_of(args.data_blend), args.split, seq_length=seq, seed=args.seed, tokenizer=tokenizer,
             num_samples=(args.train_iters * gbs, eval_runs * gbs, gbs),  # the test split is not used in training
-            cache_dir=cache)
+            cache_dir=cache, skip_bad=args.skip_bad_samples)
         if args.valid_data_blend and args.valid_data_blend[0]:  # --valid-data-path replaces the --split share
             _, valid_ds, _ = build_pretrain_datasets(
                 blend_of(args.valid_data_blend), "0,100,0", seq_length=seq, seed=args.seed, tokenizer=tokenizer,
-                num_samples=(gbs, eval_runs * gbs, gbs), cache_dir=cache)
+                num_samples=(gbs, eval_runs * gbs, gbs), cache_dir=cache, skip_bad=args.skip_bad_samples)
         train = MicroBatchStream(train_ds, _stack_gpt, args.micro_batch_size, dp_rank, dp, args.seed,
                                  consumed_train, shuffle=False)
         valid = (valid_ds, _stack_gpt) if valid_ds is not None and len(valid_ds) else None

@@ -1,0 +1,132 @@
+"""Context parallelism (CP) for GLM-5 with DSA: which tokens a CP rank holds, and how it sees everyone's keys.
+
+Layout (megatron-core's load-balanced causal split): a sequence of S tokens is cut into 2 * cp equal chunks and
+CP rank r holds chunks r and 2cp-1-r, in that order, so every rank gets the same amount of causal attention
+work. Every [b, s] input (tokens, labels, loss mask, position ids) is split the same way; position ids keep
+their global values. Packed micro-batches (one THD row, ``cu_seqlens``) are split the same way, as one row:
+document boundaries may fall anywhere inside a chunk, and the attention windows come from the global
+``cu_seqlens`` (megatron-core's per-sequence balancing; per-document splitting would need every document
+padded to a multiple of 2 * cp).
+
+Attention: a rank's queries need the keys of every earlier token, wherever it lives. The two key tensors of a
+layer — the lightning indexer's keys and MLA's latent ``[latent | k_rope]`` (RoPE already applied with the
+global positions) — are all-gathered over the CP group and put back into global token order; windows,
+top-k indices and IndexShare's stored indices are rows of that global key tensor. The gather's backward
+reduce-scatters: each rank gets its own rows of the gradient summed over all ranks' queries.
+
+MTP: ``setup_context_parallel`` replaces megatron-core's MTP token roll by one that shifts the gathered global
+sequence and keeps MTP's per-token loss scale global (see ``_mtp_roll_tensor``).
+
+Pure index arithmetic lives here (testable without processes); ``AttentionInputs`` holds the per-forward
+result and ``training/data.py`` slices the batches.
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron_glm5.errors import UserError
+
+
+class ContextParallelUnsupported(UserError, ValueError):
+    """A feature combined with --cp > 1 that context parallelism does not handle (yet)."""
+
+
+def local_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions (int64 [seq_len // cp_size]) of the tokens CP rank ``cp_rank`` holds, in its order."""
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence of {seq_len} tokens is not divisible by 2 x --cp {cp_size} = {2 * cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"context-parallel rank {cp_rank} outside 0..{cp_size - 1}")
+    chunk = seq_len // (2 * cp_size)
+    first, second = cp_rank, 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
+                      torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+
+
+def global_order(seq_len: int, cp_size: int, device=None) -> torch.Tensor:
+    """int64 [seq_len]: the row of the rank-major all-gathered sequence (rank 0's tokens, then rank 1's, ...)
+    that holds each global position, i.e. ``global = gathered[global_order]``."""
+    gathered_pos = torch.cat([local_positions(seq_len, cp_size, r, device) for r in range(cp_size)])
+    order = torch.empty_like(gathered_pos)
+    order[gathered_pos] = torch.arange(seq_len, device=device)
+    return order
+
+
+def split_for_cp_rank(t: torch.Tensor, cp_size: int, cp_rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of ``t`` along the sequence dimension ``dim`` (global length, divisible by 2 * cp)."""
+    if cp_size == 1:
+        return t
+    idx = local_positions(t.shape[dim], cp_size, cp_rank, device=t.device)
+    return t.index_select(dim, idx)
+
+
+def gather_sequence(t: torch.Tensor, group, order: torch.Tensor) -> torch.Tensor:
+    """t [s_local, ...] of every CP rank -> [s_local * cp, ...] in global token order.
+
+    Forward: all-gather over ``group``; backward: reduce-scatter (each rank its rows of the summed gradient)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    gathered = gather_from_sequence_parallel_region(t.contiguous(), tensor_parallel_output_grad=True, group=group)
+    return gathered.index_select(0, order)
+
+
+def _gather_global(t: torch.Tensor, group) -> torch.Tensor:
+    """[..., s_local] of every CP rank -> [..., S] in global order (no autograd: token ids and masks)."""
+    cp = torch.distributed.get_world_size(group)
+    src = t.to(torch.uint8) if t.dtype == torch.bool else t
+    parts = [torch.empty_like(src) for _ in range(cp)]
+    torch.distributed.all_gather(parts, src.contiguous(), group=group)
+    full = torch.cat(parts, dim=-1)
+    return full.index_select(-1, global_order(full.shape[-1], cp, device=full.device)).to(t.dtype)
+
+
+def roll_left(t: torch.Tensor, group, cu_seqlens=None):
+    """MTP's one-token left shift of this rank's [..., s_local] tokens in global order: token g takes the value
+    of token g + 1, and the last token of every sequence (every document of a packed row, ``cu_seqlens`` global)
+    takes 0. Returns (local rolled, global tensor, global rolled)."""
+    cp, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    full = _gather_global(t, group)
+    seq = full.shape[-1]
+    rolled = torch.roll(full, shifts=-1, dims=-1)
+    ends = torch.tensor([seq], device=full.device) if cu_seqlens is None else cu_seqlens[1:].to(full.device)
+    rolled[..., ends.long() - 1] = 0
+    return rolled.index_select(-1, local_positions(seq, cp, rank, device=full.device)), full, rolled
+
+
+_MCORE_ROLL = None
+
+
+def _mtp_roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
+    """megatron-core's ``multi_token_prediction.roll_tensor`` with an exact context-parallel path.
+
+    megatron-core 0.19.2's own CP roll is right for unpacked rows but assumes per-document CP splitting for
+    packed ones, and ``process_mtp_loss`` scales the per-token MTP loss by original / rolled token count of the
+    local tokens only. Here the roll is done on the gathered global sequence, and the count returned (which
+    megatron-core uses only as that rolled token count) is the local count times the global rolled / original
+    ratio, so that its original / rolled factor is the global one, as in a one-rank run. (A rank whose own loss
+    mask is all zero still drops the at most 2 rolled-in targets at its chunk ends: megatron-core multiplies
+    by its original count, 0. Per-token loss only: training always uses it.)"""
+    if tensor is None or cp_group is None or cp_group.size() == 1:
+        return _MCORE_ROLL(tensor, shifts=shifts, dims=dims, cp_group=cp_group, packed_seq_params=packed_seq_params)
+    if shifts != -1 or dims not in (-1, tensor.dim() - 1):
+        raise NotImplementedError("context-parallel MTP roll: only a one-token left shift of the last dimension")
+    cu = packed_seq_params.cu_seqlens_q if packed_seq_params is not None else None
+    local, full, rolled = roll_left(tensor, cp_group, cu)
+    count = tensor.sum() * (rolled.sum() / full.sum().clamp(min=1))
+    return local, count
+
+
+def setup_context_parallel(tcfg) -> None:
+    """Prepare megatron-core for --cp > 1 (MTP's token roll) and refuse what is not supported, naming the flags."""
+    global _MCORE_ROLL
+    if tcfg.context_parallel_size == 1 or not tcfg.mtp_num_layers:
+        return
+    if tcfg.mtp_num_layers > 1:
+        raise ContextParallelUnsupported(
+            f"--cp {tcfg.context_parallel_size} with --mtp-steps {tcfg.mtp_num_layers} (MTP layers/steps): the MTP "
+            "loss scale is exact under context parallelism for one MTP step only; use --mtp-steps 1 or --cp 1")
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    if mtp.roll_tensor is not _mtp_roll_tensor:
+        _MCORE_ROLL = mtp.roll_tensor
+        mtp.roll_tensor = _mtp_roll_tensor
