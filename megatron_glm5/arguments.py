@@ -302,6 +302,16 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=_pos_float, default=1e-8, metavar="X", help="Adam epsilon")
     g.add_argument("--train-iters", type=_pos_int, default=300, metavar="N", help="optimizer steps")
 
+    g = p.add_argument_group("numerical faults (docs/bad_input.md)")
+    g.add_argument("--max-skipped-steps", type=_pos_int, default=10, metavar="N",
+                   help="a step whose loss or gradient is NaN/Inf on any rank is skipped (no update, no LR step, its "
+                        "data consumed); stop with an error after N such steps in a row")
+    g.add_argument("--loss-spike-threshold", type=_nonneg_float, default=6.0, metavar="K",
+                   help="log a loss spike when the LM loss exceeds the mean of the last --loss-spike-window steps "
+                        "by K standard deviations (0 turns the detector off)")
+    g.add_argument("--loss-spike-window", type=_pos_int, default=100, metavar="N",
+                   help="steps of LM loss the spike detector compares with")
+
     g = p.add_argument_group("precision")
     g.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 parameters and compute with fp32 master weights (default: on with a CUDA GPU, "
@@ -353,7 +363,13 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG state")
     g.add_argument("--keep-last", type=_pos_int, default=None, metavar="N",
-                   help="keep only the newest N checkpoints (default: keep all)")
+                   help="keep only the newest N checkpoints (default: keep all); the newest one that verifies "
+                   "is never deleted")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a background thread while training continues (docs/fault_tolerance.md)")
+    g.add_argument("--ckpt-checksum", choices=("sha256", "crc32", "none"), default="sha256",
+                   help="checksum recorded per checkpoint file in its manifest and verified on load "
+                   "('none': sizes only)")
     g.add_argument("--exit-interval", type=_pos_int, default=None, metavar="N",
                    help="save and exit when the iteration is a multiple of N")
     g.add_argument("--exit-duration-in-mins", type=_pos_float, default=None, metavar="MIN",
@@ -812,6 +828,15 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             f"--node-size {args.node_size} does not divide the world size {world} (hybridep needs whole nodes)",
             flag="--node-size",
         )
+    ep_width = ep * etp  # consecutive ranks of one expert-parallel group (expert TP innermost)
+    if args.moe_token_dispatcher_type == "hybridep" and ep_width % args.node_size and args.node_size % ep_width:
+        raise ArgumentError(
+            f"--node-size {args.node_size} does not divide --ep {ep}"
+            + (f" x --etp {etp} = {ep_width}" if etp > 1 else "")
+            + " (hybridep groups each expert-parallel group into whole nodes; a group inside one node needs "
+            "--node-size to be a multiple of it)",
+            flag="--node-size",
+        )
 
     # ---- batch
     mbs = args.micro_batch_size
@@ -1009,6 +1034,8 @@ def args_to_overrides(args: argparse.Namespace) -> Dict[str, Any]:
     )
     if args.moe_router_dtype is not None:
         overrides["moe_router_dtype"] = args.moe_router_dtype
+    if args.moe_token_dispatcher_type == "hybridep" and args.node_size is not None:
+        overrides["moe_hybridep_node_size"] = args.node_size
     if args.mtp is False:
         overrides["mtp_num_layers"] = None
     elif args.mtp_steps > 1:

@@ -8,6 +8,8 @@ required field, or a record the ``validate`` callback rejects) raise :class:`Dat
 they are counted in a :class:`JsonlStats` (by reason, with the first few messages kept) and skipped, and a
 one-line summary is logged at the end.  Blank lines are ignored.  A missing path, a directory, a file with no
 records, or (with ``skip_bad``) a file whose every line is bad raise :class:`DataError` naming the file.
+Skipped lines are also added to :data:`SKIPPED_SAMPLES` (per file and reason), which a training run logs at its
+end (docs/bad_input.md).
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 
 from megatron_glm5.errors import UserError
 
-__all__ = ["DataError", "JsonlStats", "parse_jsonl_line", "iter_jsonl", "read_jsonl", "check_jsonl_path"]
+__all__ = ["DataError", "JsonlStats", "parse_jsonl_line", "iter_jsonl", "read_jsonl", "check_jsonl_path",
+           "SkippedSamples", "SKIPPED_SAMPLES"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,58 @@ class JsonlStats:
             why = ", ".join(f"{k} {v}" for k, v in sorted(self.reasons.items()))
             s += f"; skipped {self.skipped} bad lines ({why}); first: {self.errors[0]}"
         return s
+
+
+class SkippedSamples:
+    """Samples skipped in this process, per file and reason: bad lines (``skip_bad``) and over-long samples
+    dropped.  The readers add to :data:`SKIPPED_SAMPLES`; the training loop logs :meth:`log_summary` at the end of
+    a run (and clears it at the start)."""
+
+    def __init__(self):
+        self.files: Dict[str, Counter] = {}
+        self.first: Dict[str, str] = {}
+
+    def add(self, path: str, reasons: Mapping[str, int], first: Optional[str] = None) -> None:
+        counts = Counter({k: int(v) for k, v in reasons.items() if v})
+        if not counts:
+            return
+        self.files.setdefault(path, Counter()).update(counts)
+        if first and path not in self.first:
+            self.first[path] = first
+
+    def clear(self) -> None:
+        self.files.clear()
+        self.first.clear()
+
+    def total(self) -> int:
+        return sum(sum(c.values()) for c in self.files.values())
+
+    def lines(self) -> List[str]:
+        """One line per file: ``path: N skipped (reason n, ...); first: message``."""
+        out = []
+        for path, counts in self.files.items():
+            why = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            first = f"; first: {self.first[path]}" if path in self.first else ""
+            out.append(f"{path}: {sum(counts.values())} skipped ({why}){first}")
+        return out
+
+    def log_summary(self) -> None:
+        if not self.files or _global_rank() != 0:
+            return
+        logger.warning("skipped samples: %d in %d file(s)", self.total(), len(self.files))
+        for line in self.lines():
+            logger.warning("  %s", line)
+
+
+def _global_rank() -> int:
+    try:
+        import torch.distributed as dist
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    except ImportError:
+        return 0
+
+
+SKIPPED_SAMPLES = SkippedSamples()
 
 
 def _type_name(t) -> str:
@@ -167,6 +222,7 @@ def iter_jsonl(path: Union[str, os.PathLike], required: Required = None, skip_ba
         raise DataError(f"{path}: file is empty (no records)", "empty_file")
     if stats.skipped:
         logger.warning("%s", stats.summary())
+        SKIPPED_SAMPLES.add(path, stats.reasons, stats.errors[0])
 
 
 def read_jsonl(path: Union[str, os.PathLike], required: Required = None, skip_bad: bool = False,

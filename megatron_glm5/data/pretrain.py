@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from megatron_glm5.data.jsonl import DataError, JsonlStats, check_jsonl_path, parse_jsonl_line
+from megatron_glm5.data.jsonl import SKIPPED_SAMPLES, DataError, JsonlStats, check_jsonl_path, parse_jsonl_line
 from megatron_glm5.data.tokenizer import GLM5Tokenizer, load_tokenizer
 
 __all__ = [
@@ -136,6 +136,8 @@ class PreprocessResult:
     dtype: str = ""
     skipped_existing: bool = False  # the prefix was already complete; nothing was done
     seconds: float = 0.0
+    reasons: Optional[Dict[str, int]] = None  # skipped bad lines by reason
+    first_error: Optional[str] = None         # the first skipped line's message
 
 
 def token_dtype_for_vocab(vocab_size: int):
@@ -366,6 +368,8 @@ def preprocess_jsonl(input_path: Union[str, os.PathLike], output_prefix: Union[s
                 os.remove(prefix + ".bin")
     if stats.skipped:
         logger.warning("%s", stats.summary())
+        result.reasons, result.first_error = dict(stats.reasons), stats.errors[0]
+        SKIPPED_SAMPLES.add(input_path, stats.reasons, stats.errors[0])
     result.seconds = time.time() - t0
     logger.info("wrote %s.bin/.idx: %d documents, %d tokens (%s), %d bad lines skipped, %d empty, %.1fs", prefix,
                 result.documents, result.tokens, result.dtype, result.skipped_bad, result.empty, result.seconds)
@@ -382,7 +386,8 @@ def ensure_indexed(path_or_prefix: Union[str, os.PathLike], tokenizer: Tokenizer
                    skip_bad: bool = False) -> str:
     """A Megatron prefix for ``path_or_prefix``: a prefix is returned as is; a ``.jsonl`` file is preprocessed once
     (documents end with eod) into ``cache_dir`` (default :func:`default_index_cache_dir`) under a name keyed by the
-    file's path, size, mtime, the tokenizer and ``json_key``, and later calls reuse it.
+    file's path, size, mtime, the tokenizer, ``json_key`` and ``skip_bad``, and later calls reuse it (the bad
+    lines skipped when it was built are kept beside it, in ``PREFIX.skipped.json``, and reported again).
 
     In a torch.distributed process group, rank 0 builds first and the other ranks wait (call it on every rank);
     across nodes ``cache_dir`` must be on a shared file system (as megatron's index caches must), or preprocess
@@ -398,7 +403,8 @@ def ensure_indexed(path_or_prefix: Union[str, os.PathLike], tokenizer: Tokenizer
     tok = load_tokenizer(tokenizer)
     st = os.stat(path)
     ident = tok.megatron_tokenizer().unique_identifiers
-    key = _json.dumps([os.path.abspath(path), st.st_size, int(st.st_mtime), dict(ident), json_key], sort_keys=True)
+    key = [os.path.abspath(path), st.st_size, int(st.st_mtime), dict(ident), json_key]
+    key = _json.dumps(key + (["skip_bad"] if skip_bad else []), sort_keys=True)
     digest = hashlib.md5(key.encode("utf-8"), usedforsecurity=False).hexdigest()[:12]
     stem = os.path.splitext(os.path.basename(path))[0]
     prefix = os.path.join(cache_dir or default_index_cache_dir(), f"{stem}-{digest}")
@@ -410,8 +416,9 @@ def ensure_indexed(path_or_prefix: Union[str, os.PathLike], tokenizer: Tokenizer
     error: Optional[BaseException] = None
     if rank == 0:
         try:
-            preprocess_jsonl(path, prefix, tok, json_key=json_key, workers=workers, append_eod=True,
-                             skip_bad=skip_bad, progress=False)
+            result = preprocess_jsonl(path, prefix, tok, json_key=json_key, workers=workers, append_eod=True,
+                                      skip_bad=skip_bad, progress=False)
+            _remember_skipped(path, prefix + ".skipped.json", result)
         except BaseException as e:  # noqa: BLE001 - re-raised after the barrier so other ranks do not hang
             error = e
     if distributed:
@@ -421,6 +428,22 @@ def ensure_indexed(path_or_prefix: Union[str, os.PathLike], tokenizer: Tokenizer
     if error is not None:
         raise error
     return prefix
+
+
+def _remember_skipped(path: str, sidecar: str, result: PreprocessResult) -> None:
+    """Keep the skipped-line counts of a cached prefix beside it; on reuse, count them again."""
+    import json as _json
+
+    if not result.skipped_existing:
+        if result.reasons:
+            with open(sidecar, "w", encoding="utf-8") as f:
+                _json.dump({"reasons": result.reasons, "first_error": result.first_error}, f)
+        return
+    if os.path.isfile(sidecar):
+        with open(sidecar, encoding="utf-8") as f:
+            saved = _json.load(f)
+        logger.warning("%s: its cached index was built skipping %d bad lines", path, sum(saved["reasons"].values()))
+        SKIPPED_SAMPLES.add(path, saved["reasons"], saved.get("first_error"))
 
 
 # ---------------------------------------------------------------------------------------------------- datasets
@@ -481,13 +504,15 @@ def build_pretrain_datasets(prefixes_with_weights: Blend, split: Optional[str] =
                             cache_dir: Optional[str] = None, is_built_on_rank: Optional[Callable[[], bool]] = None,
                             eod_mask_loss: bool = False, reset_position_ids: bool = False,
                             reset_attention_mask: bool = False, create_attention_mask: bool = False,
-                            num_dataset_builder_threads: int = 1, mid_level_dataset_surplus: float = 0.005):
+                            num_dataset_builder_threads: int = 1, mid_level_dataset_surplus: float = 0.005,
+                            skip_bad: bool = False):
     """Train/valid/test datasets (each ``None`` where its split is 0) over a blend of preprocessed prefixes.
 
     ``prefixes_with_weights``: see :func:`normalize_blend`; weights set the share of samples drawn from each
     prefix (without weights, shares follow dataset sizes).  A ``.jsonl`` file in place of a prefix is
-    preprocessed first (:func:`ensure_indexed`, into ``cache_dir/indexed``).  ``split``: e.g. ``"98,1,1"``, applied to the documents
-    of every prefix.  ``num_samples``: ``(train, valid, test)`` sample counts (``None`` = one epoch; weights need
+    preprocessed first (:func:`ensure_indexed`, into ``cache_dir/indexed``; ``skip_bad`` skips and counts its bad
+    lines instead of raising :class:`DataError` ``file:line: ...``).  ``split``: e.g. ``"98,1,1"``, applied to the
+    documents of every prefix.  ``num_samples``: ``(train, valid, test)`` sample counts (``None`` = one epoch; weights need
     counts).  ``tokenizer``: gives the eod id and vocabulary size.  ``cache_dir``: where the index caches go
     (default ``<prefix dir>/cache``).  ``is_built_on_rank``: megatron's callable (default: every rank builds;
     rank 0 first when torch.distributed is initialised).  Samples are dicts of torch tensors ``tokens``,
@@ -501,8 +526,8 @@ def build_pretrain_datasets(prefixes_with_weights: Blend, split: Optional[str] =
 
     prefixes, weights = normalize_blend(prefixes_with_weights)
     tok = load_tokenizer(tokenizer)
-    prefixes = [ensure_indexed(p, tok, cache_dir=os.path.join(cache_dir, "indexed") if cache_dir else None)
-                for p in prefixes]
+    prefixes = [ensure_indexed(p, tok, cache_dir=os.path.join(cache_dir, "indexed") if cache_dir else None,
+                               skip_bad=skip_bad) for p in prefixes]
     for p in prefixes:
         if not IndexedDataset.exists(p):
             raise DataError(f"{p}: no indexed dataset {p}.bin/{p}.idx; build it with tools/preprocess_data.py "

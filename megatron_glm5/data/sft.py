@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from megatron_glm5.data.jsonl import DataError, JsonlStats, iter_jsonl
+from megatron_glm5.data.jsonl import SKIPPED_SAMPLES, DataError, JsonlStats, iter_jsonl
 from megatron_glm5.data.tokenizer import ChatTemplateError, GLM5Tokenizer, load_tokenizer
 
 __all__ = ["SFTDataset", "SFTStats", "validate_chat_record", "tokenize_chat", "ROLES"]
@@ -228,6 +228,8 @@ class SFTDataset(torch.utils.data.Dataset):
             raise DataError(f"{self.path}: no usable samples (dropped over-long {self.stats.dropped_overlong}, no "
                             f"assistant token after truncation {self.stats.dropped_no_target}, bad lines "
                             f"{self.stats.skipped_bad}) at seq_length {self.seq_length}", "no_records")
+        SKIPPED_SAMPLES.add(self.path, {"overlong": self.stats.dropped_overlong,
+                                        "no_target_after_truncation": self.stats.dropped_no_target})
         if self.stats.truncated or self.stats.dropped_overlong or self.stats.dropped_no_target:
             logger.warning("%s: %d samples; longer than %d tokens: truncated %d, dropped %d (+%d left without an "
                            "assistant token)", self.path, self.stats.samples, self.max_tokens, self.stats.truncated,

@@ -1,22 +1,32 @@
-"""Checkpoints in megatron-core's dist_checkpointing format (torch_dist), written atomically.
+"""Checkpoints in megatron-core's dist_checkpointing format (torch_dist), written atomically and verified on load.
 
 Layout of ``--save DIR``::
 
     DIR/iter_0000100/              a complete checkpoint (model, optimizer, scheduler, RNG, data position, args)
+    DIR/iter_0000100/manifest.json every file's size and checksum (checkpoint_manifest.py), written last
     DIR/latest_checkpointed_iteration.txt
 
-A checkpoint is written to ``iter_XXXXXXX.partial`` and renamed when every rank has finished, then the
-``latest`` pointer is replaced (write + rename); a crash mid-save leaves the previous checkpoint and pointer
-untouched, and a stale ``.partial`` is removed by the next save. Sharded tensors carry global shapes and
+A save writes into ``iter_XXXXXXX.partial``; when every rank has written its files the manifest is written,
+the directory renamed and then the ``latest`` pointer replaced (write + fsync + rename). A crash or a full disk
+mid-save leaves the previous checkpoints and pointer untouched; a stale ``.partial`` is removed by the next
+save. ``--async-save`` plans and snapshots at the save call and writes in a background thread; the manifest,
+rename and pointer follow once every rank's writer is done. Loading a --save root takes the newest checkpoint
+whose files match its manifest, skipping (with a warning naming the file) any newer incomplete or damaged one;
+``--keep-last N`` never deletes the newest checkpoint that verifies. Sharded tensors carry global shapes and
 offsets, so a checkpoint loads into any parallel layout that divides the model (``fully_reshardable``).
+docs/fault_tolerance.md has the guarantees and the fault-injection tests.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import random
+import re
+import resource
 import shutil
+import threading
 
 import numpy as np
 import torch
@@ -25,10 +35,14 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_glm5.errors import UserError
+from megatron_glm5.training import checkpoint_manifest
+from megatron_glm5.training.checkpoint_manifest import fault_point
 from megatron_glm5.training.optim import ensure_optimizer_state
 
 log = logging.getLogger("megatron_glm5.checkpoint")
 LATEST = "latest_checkpointed_iteration.txt"
+_ITER_DIR = re.compile(r"iter_(\d{7,})")
+_PARTIAL_DIR = re.compile(r"iter_\d{7,}\.partial")
 FORMAT_VERSION = 1
 # model fields that must match between a checkpoint and the model it is loaded into
 ARCH_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
@@ -106,23 +120,80 @@ def layout_of(args) -> dict:
 
 def _in_process_results_queue():
     """dist_checkpointing's writer returns its results through a multiprocessing Manager queue that the first
-    save creates: a spawned server process per rank (seconds to start) that only an asynchronous save needs.
-    Our saves are synchronous (the writer threads run in this process), so an in-process queue serves."""
+    save creates: a spawned server process per rank (seconds to start) that only a writer in another process
+    needs. Our writers are threads of this process (also with --async-save), so an in-process queue serves."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", False) is None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, args, data_state: dict) -> str:
-    final = iteration_dir(root, iteration)
-    partial = final + ".partial"
-    if _rank0():
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(partial):
-            shutil.rmtree(partial)
-        os.makedirs(partial)
-    _barrier()
+class CheckpointWriteError(UserError, OSError):
+    """A save failed (disk full, file-size limit, permissions): nothing was promoted, older checkpoints stand."""
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """The OS error behind ``exc`` (itself, a cause or context, or a rank's failure in torch.distributed.checkpoint's
+    CheckpointException), if any."""
+    seen, stack = set(), [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        stack += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+def _write_error(exc: BaseException, partial: str, root: str) -> CheckpointWriteError:
+    """One-line error naming the directory, the failure, and the disk's state (torch's writer reports a full
+    disk or a file-size limit as 'unexpected pos ...', without the OS error)."""
+    cause = _os_error(exc)
+    if cause is not None:
+        what = f"[Errno {cause.errno}] {os.strerror(cause.errno)}"
+    else:
+        failures = getattr(exc, "failures", None)
+        inner = next(iter(failures.values()), None) if isinstance(failures, dict) else None
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        what = " ".join(str(inner if inner is not None else exc).split()) or type(exc).__name__
+    disk = []
+    try:
+        disk.append(f"free space there: {shutil.disk_usage(root).free / 2**30:.1f} GiB")
+    except OSError:
+        pass
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        disk.append(f"this process's file-size limit (ulimit -f): {limit} bytes")
+    good = [it for it, _ in _complete_dirs(root)]
+    kept = (f"the previous checkpoint {iteration_dir(root, good[0])} is untouched" if good
+            else "no earlier checkpoint exists")
+    return CheckpointWriteError(f"--save {root}: writing checkpoint {partial} failed ({what}); disk full or a "
+                                f"file-size/quota limit? ({', '.join(disk)}); nothing was promoted, {kept}")
+
+
+def _complete_dirs(root: str) -> list[tuple[int, str]]:
+    """(iteration, path) of every ``iter_XXXXXXX`` directory under root (not ``.partial``), newest first."""
+    found = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            m = _ITER_DIR.fullmatch(name)
+            if m and os.path.isdir(os.path.join(root, name)):
+                found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found, reverse=True)
+
+
+def _partial_dirs(root: str) -> list[str]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(os.path.join(root, n) for n in os.listdir(root) if _PARTIAL_DIR.fullmatch(n))
+
+
+def _sharded_state(iteration, model_chunks, optimizer, scheduler, args, data_state) -> dict:
     state = _model_sharded_state(model_chunks)
     model_sd = state["model"] if "model" in state else {k: v for k, v in state.items()}
     state["optimizer"] = optimizer.sharded_state_dict(
@@ -133,19 +204,229 @@ def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, schedule
     state["rng_state"] = _rng_sharded_object()
     state["glm5"] = {"format_version": FORMAT_VERSION, "model_config": args.model_config.to_hf(),
                      "layout": layout_of(args), "mode": args.mode, "trainable": trainable_of(args)}
-    _in_process_results_queue()
-    dist_checkpointing.save(state, partial)
+    return state
+
+
+def _start_partial(root: str, iteration: int) -> str:
+    partial = iteration_dir(root, iteration) + ".partial"
+    if _rank0():
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(partial):
+            shutil.rmtree(partial)
+        os.makedirs(partial)
     _barrier()
+    return partial
+
+
+def _manifest_args(args) -> dict:
+    out = {k: v for k, v in vars(args).items() if k != "model_config"}
+    if getattr(args, "model_config", None) is not None:
+        out["model_config"] = args.model_config.to_hf()
+    return out
+
+
+def _promote(root: str, iteration: int, args) -> str:
+    """Every rank has written its files into the .partial directory: manifest, rename, latest pointer."""
+    partial = iteration_dir(root, iteration) + ".partial"
+    final = iteration_dir(root, iteration)
+    fault_point("files-written", iteration)
+    checkpoint_manifest.write_manifest(partial, iteration, getattr(args, "ckpt_checksum", "sha256"),
+                                       layout_of(args), _manifest_args(args))
+    fault_point("manifest-written", iteration)
     if _rank0():
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(partial, final)
-        tmp = os.path.join(root, LATEST + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(root, LATEST))
+        checkpoint_manifest._fsync_dir(root)
     _barrier()
+    fault_point("renamed", iteration)
+    if _rank0():
+        _write_pointer(root, iteration)
+    _barrier()
+    fault_point("pointer-updated", iteration)
     return final
+
+
+def _write_pointer(root: str, iteration: int):
+    tmp = os.path.join(root, LATEST + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST))
+
+
+def _discard_partial(partial: str):
+    if _rank0():
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _from_rank0(obj):
+    """rank 0's value of ``obj`` on every rank (directory listings: every rank must verify the same list)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        holder = [obj]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+    return obj
+
+
+def apply_retention(root: str, keep_last: int | None):
+    """Collective. Remove stale ``.partial`` directories (interrupted saves; the save in progress is complete by
+    now) and, with --keep-last N, all but the newest N checkpoints, never one at or newer than the newest
+    checkpoint that verifies (so the only good checkpoint is never deleted, even when a newer one is damaged)."""
+    doomed = _partial_dirs(root)
+    dirs = _from_rank0(_complete_dirs(root))
+    if keep_last and len(dirs) > keep_last:
+        newest_good = None
+        for it, path in dirs:
+            if not checkpoint_manifest.verify(path):
+                newest_good = it
+                break
+        if newest_good is None:
+            log.warning("--keep-last %d: no checkpoint under %s verifies; deleting none", keep_last, root)
+        else:
+            if newest_good < dirs[0][0]:
+                log.warning("--keep-last %d: keeping %s, the newest checkpoint that verifies", keep_last,
+                            iteration_dir(root, newest_good))
+            doomed += [path for it, path in dirs[keep_last:] if it < newest_good]
+    if _rank0():
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed %s", path)
+    _barrier()
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    """An OS error, or torch.distributed.checkpoint's report of a failed write (which hides the OS error)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return isinstance(exc, CheckpointException) or _os_error(exc) is not None
+
+
+class _PendingSave:
+    """One save between planning and promotion: the writer's request and the arguments of its write function."""
+
+    def __init__(self, root, iteration, model_chunks, optimizer, scheduler, args, data_state, snapshot: bool):
+        self.root, self.iteration, self.args = root, iteration, args
+        self.partial = iteration_dir(root, iteration) + ".partial"
+        self.errors: list[BaseException] = []
+        self.thread = None
+        with self.failures_as_user_errors():
+            _start_partial(root, iteration)
+            state = _sharded_state(iteration, model_chunks, optimizer, scheduler, args, data_state)
+            _in_process_results_queue()
+            # planning (collectives) and serialising the non-tensor state happen here, in the caller's thread
+            self.request = dist_checkpointing.save(state, self.partial, async_sharded_save=True,
+                                                   async_strategy="mcore")
+            self.fn_args = list(self.request.async_fn_args)
+            if self.request.async_fn is not None:
+                self.fn_args[1] = _host_copy(self.fn_args[1], copy=snapshot)
+
+    @contextlib.contextmanager
+    def failures_as_user_errors(self):
+        try:
+            yield
+        except BaseException as e:  # torch's CheckpointException is a BaseException
+            if not _is_write_failure(e):
+                raise
+            _discard_partial(self.partial)
+            raise _write_error(e, self.partial, self.root) from e
+
+    def write(self):
+        """Write this rank's files (no collectives: safe in a background thread)."""
+        try:
+            fault_point("writing", self.iteration)
+            if self.request.async_fn is not None:
+                self.request.async_fn(*self.fn_args, **self.request.async_fn_kwargs)
+        except BaseException as e:
+            self.errors.append(e)
+
+    def complete(self) -> str:
+        """Collective, after every rank's write: dist_checkpointing metadata, manifest, rename, pointer,
+        retention."""
+        with self.failures_as_user_errors():
+            if self.errors:
+                raise self.errors[0]
+            for fn in self.request.finalize_fns:
+                fn()
+            _barrier()
+            final = _promote(self.root, self.iteration, self.args)
+        log.info("saved checkpoint %s", final)
+        apply_retention(self.root, getattr(self.args, "keep_last", None))
+        return final
+
+
+def save_checkpoint(root: str, iteration: int, model_chunks, optimizer, scheduler, args, data_state: dict) -> str:
+    """Synchronous save: write into iter_XXXXXXX.partial, then manifest, rename, pointer, retention. A failed
+    write (disk full, ...) raises one CheckpointWriteError and removes the .partial directory."""
+    pending = _PendingSave(root, iteration, model_chunks, optimizer, scheduler, args, data_state, snapshot=False)
+    pending.write()
+    _barrier()
+    return pending.complete()
+
+
+class CheckpointSaver:
+    """Saves for the training loop: synchronous, or with --async-save in a writer thread while training goes on.
+
+    Asynchronous: the state is planned (collectives) and copied to host memory at the save call, a thread writes
+    the files into ``.partial``; ``poll()`` (every step, on every rank) completes the save once all ranks'
+    writers are done (metadata, manifest, rename, pointer, retention, in the main thread); ``wait()`` blocks
+    until the pending save is complete (before the next save and before exit)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.pending: _PendingSave | None = None
+
+    def save(self, iteration: int, model_chunks, optimizer, scheduler, data_state: dict) -> None:
+        self.wait()
+        if not getattr(self.args, "async_save", False):
+            save_checkpoint(self.args.save, iteration, model_chunks, optimizer, scheduler, self.args, data_state)
+            return
+        pending = _PendingSave(self.args.save, iteration, model_chunks, optimizer, scheduler, self.args,
+                               data_state, snapshot=True)
+        pending.thread = threading.Thread(target=pending.write, name=f"checkpoint-writer-{iteration}", daemon=True)
+        pending.thread.start()
+        self.pending = pending
+        log.info("writing checkpoint %s in the background (--async-save)", iteration_dir(self.args.save, iteration))
+
+    def _all_done(self, blocking: bool) -> bool:
+        thread = self.pending.thread
+        if blocking:
+            thread.join()
+        busy = torch.tensor([1.0 if thread.is_alive() else 0.0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            busy = busy.to(_comm_device())
+            dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        return busy.item() == 0
+
+    def poll(self) -> None:
+        """Complete the pending asynchronous save if every rank's writer has finished (collective)."""
+        if self.pending is not None and self._all_done(blocking=False):
+            pending, self.pending = self.pending, None
+            pending.complete()
+
+    def wait(self) -> None:
+        """Block until the pending asynchronous save is complete (collective)."""
+        if self.pending is not None:
+            self._all_done(blocking=True)
+            pending, self.pending = self.pending, None
+            pending.complete()
+
+
+def _comm_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _host_copy(write_buckets, copy: bool):
+    """The writer's buckets with every tensor in host memory; ``copy``: copies even of host tensors (a snapshot
+    that training cannot change while a background thread writes it)."""
+    staged = []
+    for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
+        tensors = [(item, t.detach().to("cpu", copy=copy)) for item, t in tensor_data]
+        staged.append((file_name, storage_key, (bytes_data, tensors)))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return staged
 
 
 def _check_same_model(meta: dict, args, path: str):
@@ -179,19 +460,62 @@ def _check_model_tensors(model_sd: dict, path: str):
 
 
 def resolve_load_dir(load: str) -> tuple[str, int | None]:
-    """--load accepts a --save root (uses the latest pointer) or one iteration directory."""
+    """--load accepts a --save root or one iteration directory. Collective (verification is split over ranks).
+
+    In a --save root the newest checkpoint whose manifest and files verify is chosen; a newer one that is
+    incomplete or damaged is skipped with a warning naming the file and what is wrong; none good is an error.
+    A root of checkpoints written before manifests existed uses the latest pointer unverified. An iteration
+    directory is verified when it has a manifest (converted checkpoints have none) and refused when damaged."""
     if not os.path.isdir(load):
         raise CheckpointMismatch(f"--load {load}: no such directory")
-    it = read_latest(load)
-    if it is not None:
-        path = iteration_dir(load, it)
+    if os.path.isfile(os.path.join(load, "metadata.json")) or os.path.isfile(
+            os.path.join(load, checkpoint_manifest.MANIFEST)):
+        if os.path.isfile(os.path.join(load, checkpoint_manifest.MANIFEST)):
+            problems = checkpoint_manifest.verify(load)
+            if problems:
+                raise CheckpointMismatch(f"--load {load}: damaged checkpoint: {'; '.join(problems)}")
+        m = _ITER_DIR.fullmatch(os.path.basename(os.path.normpath(load)))
+        return load, int(m.group(1)) if m else None
+    dirs = _from_rank0(_complete_dirs(load))
+    try:
+        pointer = read_latest(load)
+    except CheckpointMismatch as e:
+        if not dirs:
+            raise
+        log.warning("%s; choosing among the checkpoints by their manifests", e)
+        pointer = None
+    if dirs and not any(os.path.isfile(os.path.join(p, checkpoint_manifest.MANIFEST)) for _, p in dirs):
+        if pointer is None:
+            raise CheckpointMismatch(f"--load {load}: no {LATEST} and no checkpoint manifest")
+        path = iteration_dir(load, pointer)
         if not os.path.isdir(path):
-            raise CheckpointMismatch(f"{os.path.join(load, LATEST)} points to iteration {it}, but {path} is missing")
-        return path, it
-    if os.path.isfile(os.path.join(load, "metadata.json")):
-        return load, None
+            raise CheckpointMismatch(f"{os.path.join(load, LATEST)} points to iteration {pointer}, but {path} is missing")
+        log.warning("--load %s: checkpoints without %s (written by an older version): loading %s unverified",
+                    load, checkpoint_manifest.MANIFEST, path)
+        return path, pointer
+    skipped = []
+    for it, path in dirs:
+        problems = checkpoint_manifest.verify(path)
+        if not problems:
+            for partial in _partial_dirs(load):
+                if partial > path:
+                    log.warning("ignoring %s: an incomplete save (interrupted before its manifest)", partial)
+            if skipped:
+                log.warning("--load %s: resuming from %s, the newest complete checkpoint", load, path)
+            elif pointer is not None and pointer != it:
+                log.warning("--load %s: %s points to iteration %d; %s is newer and complete: resuming from it",
+                            load, LATEST, pointer, path)
+            return path, it
+        skipped.append(f"{path}: {'; '.join(problems)}")
+        log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
+    if skipped:
+        raise CheckpointMismatch(f"--load {load}: no usable checkpoint: {' | '.join(skipped)}")
+    partials = _partial_dirs(load)
+    if partials:
+        raise CheckpointMismatch(f"--load {load}: no complete checkpoint, only interrupted saves "
+                                 f"({', '.join(os.path.basename(p) for p in partials)})")
     raise CheckpointMismatch(f"--load {load}: neither a checkpoint directory nor a --save root "
-                             f"(no {LATEST}, no metadata.json)")
+                             f"(no {LATEST}, no metadata.json, no iter_* checkpoint)")
 
 
 def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict:
@@ -199,7 +523,14 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
 
     Returns {"iteration", "data_state"}; both empty/0 for --finetune.
     """
-    path, _ = resolve_load_dir(load)
+    path, chosen = resolve_load_dir(load)
+    if (chosen is not None and path != load and getattr(args, "save", None)
+            and os.path.realpath(args.save) == os.path.realpath(load) and read_latest(load) != chosen):
+        # e.g. a crash between a save's rename and its pointer update: the pointer names the checkpoint in use
+        if _rank0():
+            _write_pointer(load, chosen)
+        _barrier()
+        log.warning("%s now points to iteration %d", os.path.join(load, LATEST), chosen)
     common = dist_checkpointing.load_common_state_dict(path)
     _check_same_model(common.get("glm5"), args, path)
     finetune = args.finetune
@@ -233,7 +564,7 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
             raise CheckpointMismatch(f"--load {path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
     if load_optim:
         optimizer.load_state_dict(loaded["optimizer"])
-    else:
+    elif optimizer is not None:  # (tools load weights without an optimizer)
         # bf16/fp16 optimizers keep fp32 main copies of the parameters, made when the optimizer was built (from the
         # random initialisation); without this the first step would copy them back over the loaded weights.
         optimizer.reload_model_params()

@@ -4,8 +4,9 @@
            LR schedule -> checkpoint -> data streams
     each iteration: get_forward_backward_func() runs the pipeline schedule over num_microbatches micro-batches
            (loss summed over tokens, normalised by the token count across micro-batches and data-parallel ranks
-           in finalize_model_grads, which also updates the routers' expert biases) -> optimizer.step() ->
-           scheduler.step(global batch) -> log / evaluate / save / exit checks
+           in finalize_model_grads, which also updates the routers' expert biases) -> optimizer.step() (skipped
+           when a loss or gradient is not finite on any rank: numerics.py) -> scheduler.step(global batch) ->
+           log (loss spikes too) / evaluate / save / exit checks; at the end, the bad samples skipped per file
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_glm5 import platform
+from megatron_glm5.training import numerics
 from megatron_glm5.training.metrics import StepLogger, TrainingMetrics
 
 log = logging.getLogger("megatron_glm5.train")
@@ -95,19 +97,21 @@ def wrap_ddp(args, chunks):
 def _loss_func(loss_mask, output_tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask)
+    loss = numerics.inject_loss_fault(torch.sum(losses * mask))  # a no-op unless the test hook is set
     n = mask.sum()
     return loss, n.to(torch.int), {"lm loss": torch.stack([loss.detach(), n.detach()])}
 
 
 def _forward_step(data_iterator, model):
     from megatron_glm5.data.packing import make_packed_seq_params
+    from megatron_glm5.training.data import batch_for_this_cp_rank
 
     batch = next(data_iterator)
     device = _device()
     packed = None
     if "cu_seqlens" in batch:
         packed = make_packed_seq_params(batch["cu_seqlens"].to(device), batch["tokens"].shape[1])
+    batch = batch_for_this_cp_rank(batch)
     tokens = batch["tokens"].to(device)
     output = model(tokens, batch["position_ids"].to(device), None, labels=batch["labels"].to(device),
                    loss_mask=batch["loss_mask"].to(device), packed_seq_params=packed)
@@ -124,14 +128,17 @@ def _schedule_shape(args):
 
 def _run_microbatches(args, model, data_iter, forward_only: bool, num_microbatches: int):
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron_glm5.model import pipeline_topk
 
     seq, mbs = _schedule_shape(args)
     fwd_bwd = get_forward_backward_func()
     # with virtual pipeline stages every model chunk walks the same micro-batches through its own iterator
     iterators = data_iter if len(model) == 1 else list(itertools.tee(data_iter, len(model)))
-    return fwd_bwd(forward_step_func=_forward_step, data_iterator=iterators,
-                   model=model, num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=mbs,
-                   forward_only=forward_only)
+    out = fwd_bwd(forward_step_func=_forward_step, data_iterator=iterators,
+                  model=model, num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=mbs,
+                  forward_only=forward_only)
+    pipeline_topk.wait_pending_sends()  # IndexShare top-k sent to the next pipeline stage (model/pipeline_topk.py)
+    return out
 
 
 def _reduce_lm_loss(outputs) -> float | None:
@@ -171,6 +178,7 @@ def train(args) -> int:
     from megatron_glm5.data.tokenizer import load_tokenizer
     from megatron_glm5.errors import UserError
     from megatron_glm5.training import checkpointing
+    from megatron_glm5.data.jsonl import SKIPPED_SAMPLES
     from megatron_glm5.training.data import build_streams
     from megatron_glm5.training.optim import build_optimizer, build_scheduler
 
@@ -184,7 +192,10 @@ def train(args) -> int:
         ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
         cp=args.context_parallel_size, vpp=args.virtual_pipeline_model_parallel_size, seed=args.seed)
 
-    tokenizer = load_tokenizer(args.tokenizer)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+    except UserError as e:
+        raise UserError(f"--tokenizer {args.tokenizer}: {e}") from None
     if tokenizer.vocab_size > args.model_config.vocab_size:
         raise UserError(f"--tokenizer {args.tokenizer}: vocabulary of {tokenizer.vocab_size} tokens is larger than "
                         f"the model's vocab_size {args.model_config.vocab_size}")
@@ -203,16 +214,21 @@ def train(args) -> int:
     if args.load:
         resumed = checkpointing.load_checkpoint(args.load, [m.module for m in model], optimizer, scheduler, args)
         iteration, data_state = resumed["iteration"], resumed["data_state"]
+    SKIPPED_SAMPLES.clear()  # filled by the readers (--skip-bad-samples), reported at the end
     train_stream, valid = build_streams(args, tokenizer, consumed_train=data_state.get("consumed_train", 0))
 
     metrics = TrainingMetrics(args, model)
     logger = StepLogger(args, metrics)
+    # a non-finite loss or gradient on any rank skips the update (numerics.py says what a skipped step does)
+    guard = numerics.NonFiniteGuard(args.max_skipped_steps).install(optimizer)
+    spikes = numerics.LossSpikeDetector(args.loss_spike_threshold, args.loss_spike_window)
+    numerics.start_injection()
     logger.summary(model)
 
+    saver = checkpointing.CheckpointSaver(args)  # logs "saved checkpoint ..." once a checkpoint is complete
+
     def save(it):
-        path = checkpointing.save_checkpoint(args.save, it, [m.module for m in model], optimizer, scheduler, args,
-                                             {"consumed_train": train_stream.consumed})
-        log.info("saved checkpoint %s", path)
+        saver.save(it, [m.module for m in model], optimizer, scheduler, {"consumed_train": train_stream.consumed})
 
     if valid is not None and args.eval_interval and iteration == 0:
         logger.eval(0, evaluate(args, model, valid))
@@ -225,13 +241,20 @@ def train(args) -> int:
             m.zero_grad_buffer()
         optimizer.zero_grad()
         metrics.before_step()
+        numerics.set_iteration(iteration + 1)
         outputs = _run_microbatches(args, model, train_stream, forward_only=False,
                                     num_microbatches=args.num_microbatches)
+        numerics.inject_grad_fault(model)  # a no-op unless the test hook is set
+        guard.note_loss(iteration + 1, outputs)
         ok, grad_norm, _ = optimizer.step()
-        scheduler.step(increment=args.global_batch_size)
+        if ok:  # the LR schedule follows applied updates; a skipped step still consumed its data
+            scheduler.step(increment=args.global_batch_size)
         iteration += 1
         lm_loss = _reduce_lm_loss(outputs) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+        logger.loss_spike(iteration, lm_loss, spikes.update(iteration, lm_loss))
         logger.step(iteration, lm_loss, grad_norm, ok, time.time() - t0, optimizer)
+        saver.poll()  # --async-save: finalize a checkpoint whose files are written
+        guard.after_step(iteration, ok)  # raises after --max-skipped-steps skips in a row
 
         if args.eval_interval and valid is not None and iteration % args.eval_interval == 0:
             logger.eval(iteration, evaluate(args, model, valid))
@@ -248,7 +271,9 @@ def train(args) -> int:
         if stop:
             log.info("exiting at iteration %d", iteration)
             break
+    saver.wait()  # --async-save: the pending checkpoint completes before exit
     if valid is not None and iteration == args.train_iters and args.eval_interval and iteration % args.eval_interval:
         logger.eval(iteration, evaluate(args, model, valid))
     logger.close()
+    SKIPPED_SAMPLES.log_summary()
     return exit_code

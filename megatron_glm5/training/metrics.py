@@ -3,7 +3,9 @@
 Scalars (TensorBoard tag: meaning): lm-loss, indexer-kl-loss (mean KL of the DSA indexers), mtp-loss,
 moe-aux-loss (when an aux loss is on), expert-load-imbalance (max/mean tokens per expert, averaged over MoE
 layers), learning-rate, grad-norm, params-norm, tokens-per-second, tflops-per-gpu, mfu (against --peak-tflops),
-memory-gib (peak GPU memory, or peak RSS on CPU), skipped-steps, and validation/lm-loss.
+memory-gib (peak GPU memory, or peak RSS on CPU), skipped-steps (updates skipped for a non-finite loss or
+gradient, in all), loss-spikes (in all), and validation/lm-loss; loss-spike (the LM loss) at the iteration of each
+spike (numerics.py).
 """
 from __future__ import annotations
 
@@ -156,6 +158,7 @@ class StepLogger:
                                                        sparse=args.dsa_stage == "sparse", mtp_layers=mtp) * tokens
         self.window = []
         self.skipped = 0
+        self.spikes = 0
         self.start = time.time()
         self.start_iteration = None
         metrics.install()
@@ -216,12 +219,25 @@ class StepLogger:
                        "expert-load-imbalance": load, "learning-rate": lr,
                        "grad-norm": float(grad_norm) if grad_norm is not None else None, "params-norm": pnorm,
                        "tokens-per-second": tok_s, "tflops-per-gpu": tflops, "mfu": mfu, "memory-gib": _memory_gib(),
-                       "skipped-steps": self.skipped}
+                       "skipped-steps": self.skipped, "loss-spikes": self.spikes}
             for tag, value in scalars.items():
                 if value is not None:
                     self.writer.add_scalar(tag, value, iteration)
             self.writer.flush()
             self._jsonl({"iteration": iteration, **{k: v for k, v in scalars.items() if v is not None}})
+
+    def loss_spike(self, iteration, lm_loss, message):
+        """Report a loss spike (``message`` from numerics.LossSpikeDetector; None: not a spike)."""
+        if message is None:
+            return
+        self.spikes += 1
+        if not self.is_logger:
+            return
+        log.warning("%s", message)
+        if self.writer:
+            self.writer.add_scalar("loss-spike", lm_loss, iteration)
+            self.writer.flush()
+            self._jsonl({"iteration": iteration, "loss-spike": lm_loss})
 
     def eval(self, iteration, loss):
         if loss is None or not self.is_logger:
