@@ -120,10 +120,11 @@ def test_nan_gradient_step_is_skipped(tmp_path, monkeypatch, caplog):
     pnorm, lr, loss = _series(records, "params-norm"), _series(records, "learning-rate"), _series(records, "lm-loss")
     skipped, gnorm = _series(records, "skipped-steps"), _series(records, "grad-norm")
     assert sorted(loss) == list(range(1, 7))
-    # the update of iteration 3 was not applied: parameters and LR as after iteration 2
-    assert pnorm[3] == pnorm[2] and lr[3] == lr[2]
+    # the update of iteration 3 was not applied: parameters as after iteration 2, and the LR schedule did not
+    # advance (the logged LR is the one a step's update uses: iteration 4 uses the LR iteration 3 would have used)
+    assert pnorm[3] == pnorm[2] and lr[4] == lr[3] and lr[3] != lr[2]
     # ... and training goes on from there: updates, LR steps, finite numbers
-    assert pnorm[4] != pnorm[3] and lr[4] != lr[3]
+    assert pnorm[4] != pnorm[3] and lr[5] != lr[4]
     assert all(math.isfinite(loss[i]) and math.isfinite(pnorm[i]) for i in loss)
     assert 3 not in gnorm and all(math.isfinite(gnorm[i]) for i in (1, 2, 4, 5, 6))
     assert [skipped[i] for i in range(1, 7)] == [0, 0, 1, 1, 1, 1]

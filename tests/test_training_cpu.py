@@ -155,6 +155,10 @@ def test_resume_is_bitwise(resume_runs, mode):
         assert [sb[i] for i in range(1, 7)] == [sa[i] for i in range(1, 7)], key
         assert [sc[i] for i in range(7, 13)] == [sa[i] for i in range(7, 13)], (key, sa, sc)
     assert series(c, "validation/lm-loss")[12] == series(a, "validation/lm-loss")[12]
+    # the logged learning rate is the one the step's update used: 12 iterations warm up over 1 (train_iters // 10)
+    # from 0, so step 1 updates with lr 0 and step 2 with the peak (the default --lr 3e-3)
+    lr = series(a, "learning-rate")
+    assert lr[1] == 0.0 and lr[2] == pytest.approx(3e-3), lr
 
 
 # ------------------------------------------------------------------------------------------------ 4. SIGTERM

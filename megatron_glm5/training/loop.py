@@ -173,6 +173,21 @@ def evaluate(args, model, valid):
 
 def train(args) -> int:
     """Run training as configured by parsed and validated ``args``. Returns the process exit code."""
+    try:
+        return _train(args)
+    finally:
+        _reset_process_globals()
+
+
+def _reset_process_globals() -> None:
+    """megatron-core keeps MTP loss metrics in a process-wide tracker sized by the model's MTP depth; a model built
+    later in the same process (a notebook, tests) with another depth would index past it."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+
+
+def _train(args) -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron_glm5.data.tokenizer import load_tokenizer
@@ -246,13 +261,14 @@ def train(args) -> int:
                                     num_microbatches=args.num_microbatches)
         numerics.inject_grad_fault(model)  # a no-op unless the test hook is set
         guard.note_loss(iteration + 1, outputs)
+        step_lr = optimizer.param_groups[0]["lr"]  # what this update uses (logged: the scheduler moves it on below)
         ok, grad_norm, _ = optimizer.step()
         if ok:  # the LR schedule follows applied updates; a skipped step still consumed its data
             scheduler.step(increment=args.global_batch_size)
         iteration += 1
         lm_loss = _reduce_lm_loss(outputs) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
         logger.loss_spike(iteration, lm_loss, spikes.update(iteration, lm_loss))
-        logger.step(iteration, lm_loss, grad_norm, ok, time.time() - t0, optimizer)
+        logger.step(iteration, lm_loss, grad_norm, ok, time.time() - t0, optimizer, lr=step_lr)
         saver.poll()  # --async-save: finalize a checkpoint whose files are written
         guard.after_step(iteration, ok)  # raises after --max-skipped-steps skips in a row
 

@@ -183,7 +183,9 @@ class StepLogger:
                      a.seq_length, model_chunks[0].module.config.dsa_backend, a.dsa_stage)
         del ps
 
-    def step(self, iteration, lm_loss, grad_norm, update_ok, seconds, optimizer):
+    def step(self, iteration, lm_loss, grad_norm, update_ok, seconds, optimizer, lr=None):
+        """``lr``: the learning rate this step's update used (the optimizer's current one, after the scheduler
+        stepped, is the next step's)."""
         if self.start_iteration is None:
             self.start_iteration = iteration - 1
         if not update_ok:
@@ -200,7 +202,7 @@ class StepLogger:
         tok_s = self.tokens_per_step / secs
         world = dist.get_world_size()
         tflops = self.flops_per_step / secs / world / 1e12
-        lr = optimizer.param_groups[0]["lr"]
+        lr = optimizer.param_groups[0]["lr"] if lr is None else lr
         left = (self.args.train_iters - iteration) * secs
         if not self.is_logger:
             return
