@@ -1,0 +1,171 @@
+"""Model-level benchmark: one training step (forward + backward) of a GLM-5 proxy, our stack against transformers'
+GlmMoeDsaForCausalLM, in the same process, on the same config and the same random tokens.
+
+    python benchmarks/proxy_step.py [--preset glm5 --layers 4 --dense 3 --seq 4096 --attn triton] [--json out.json]
+
+Default model: GLM-5 width, 4 layers (3 dense + 1 MoE with all 256 experts), no MTP, bf16, batch 1 x 4096 tokens
+(the shape of the transformers baseline in ../shared/GLM5_REFERENCE.md: 274 ms/step, 14.9k tokens/s).
+Ours: ``build_model`` on one GPU (DSA sparse stage, indexer KL loss on with ``--indexer-loss-coeff``), per-token
+LM loss mean, backward. Transformers: the same config through ``GLM5Config.to_hf``, ``labels=`` loss, backward
+(it has no indexer loss: its indexer is not trained). No optimizer step for either (the proxy's Adam states do not
+fit one GPU with 256 experts). Gradients are dropped (set to None) between steps, outside the timed region.
+Timing: CUDA events around forward + backward, after --warmup steps, median of --steps, fresh random token ids for
+every step. Model FLOPs from megatron_glm5.training.flops (sparse attention at top-k, the indexer over the causal
+window, 3x forward); MFU against --peak-tflops (751: the bf16 8192^3 matmul measured on the H200).
+On a CPU (``--device cpu``, fp32, a tiny preset) the same code runs as a smoke test with perf_counter timing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_glm5.config import GLM5Config  # noqa: E402
+from megatron_glm5.training.flops import training_flops_per_token  # noqa: E402
+
+
+def proxy_config(preset: str, layers: int, dense: int) -> GLM5Config:
+    cfg = GLM5Config.from_preset(preset)
+    return cfg.replace(num_hidden_layers=layers, first_k_dense_replace=dense, num_nextn_predict_layers=0)
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            torch.cuda.synchronize()
+            self.ms = self.start.elapsed_time(self.end)
+        else:
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+
+
+def build_ours(cfg: GLM5Config, dtype, device, attn: str, indexer_loss_coeff: float):
+    from megatron_glm5.model.model import build_model
+
+    model = build_model(cfg, mtp=False, params_dtype=dtype, bf16=dtype == torch.bfloat16, dsa_backend=attn,
+                        dsa_stage="sparse", dsa_indexer_loss_coeff=indexer_loss_coeff)
+    return model.to(device).train()
+
+
+def step_ours(model, ids):
+    loss = model(ids[:, :-1], labels=ids[:, 1:]).float().mean()
+    loss.backward()
+    return loss
+
+
+def build_transformers(cfg: GLM5Config, dtype, device):
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    hf_cfg = GlmMoeDsaConfig(**cfg.to_hf())
+    with torch.device(device):
+        model = GlmMoeDsaForCausalLM(hf_cfg).to(dtype)
+    return model.train()
+
+
+def step_transformers(model, ids):
+    out = model(input_ids=ids[:, :-1], labels=ids[:, 1:])
+    out.loss.backward()
+    return out.loss
+
+
+def run(name, build, step, cfg, args, device) -> dict:
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = build()
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen).to(device)
+        with _Timer(device) as t:
+            loss = step(model, ids)
+        losses.append(float(loss.detach()))
+        if i >= args.warmup:
+            times.append(t.ms)
+        for p in model.parameters():
+            p.grad = None
+        if hasattr(model, "zero_grad_buffer"):
+            model.zero_grad_buffer()
+    ms = statistics.median(times)
+    tokens = args.batch * args.seq
+    flops = training_flops_per_token(cfg, args.seq, sparse=True) * tokens
+    res = {"impl": name, "ms_per_step": ms, "tokens_per_s": tokens / (ms / 1e3),
+           "model_tflops": flops / (ms / 1e3) / 1e12, "losses": losses,
+           "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None}
+    if args.peak_tflops:
+        res["mfu"] = res["model_tflops"] / args.peak_tflops
+    del model
+    gc.collect()
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="glm5")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dense", type=int, default=3, help="leading dense layers (the rest are MoE)")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--attn", default="auto", help="our attention backend (--attn of the training scripts)")
+    p.add_argument("--indexer-loss-coeff", type=float, default=1e-3)
+    p.add_argument("--impls", default="ours,transformers")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--peak-tflops", type=float, default=751.0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cpu":
+        args.peak_tflops = None
+    cfg = proxy_config(args.preset, args.layers, args.dense)
+    from megatron_glm5 import platform
+    platform.initialize_model_parallel()
+    builders = {
+        "ours": (lambda: build_ours(cfg, dtype, device, args.attn, args.indexer_loss_coeff), step_ours),
+        "transformers": (lambda: build_transformers(cfg, dtype, device), step_transformers),
+    }
+    results = []
+    for name in args.impls.split(","):
+        build, step = builders[name]
+        results.append(run(name, build, step, cfg, args, device))
+    print(f"proxy: {args.preset} x {args.layers} layers ({args.dense} dense), seq {args.seq}, batch {args.batch}, "
+          f"{dtype}, {device}")
+    print(f"{'impl':14s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s}")
+    for r in results:
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
+        print(f"{r['impl']:14s} {r['ms_per_step']:9.1f} {r['tokens_per_s']:10.0f} {r['model_tflops']:8.1f} "
+              f"{mfu:>6s} {mem:>9s}")
+    if len(results) == 2:
+        print(f"speed-up {results[1]['ms_per_step'] / results[0]['ms_per_step']:.2f}x "
+              f"({results[0]['impl']} vs {results[1]['impl']})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
