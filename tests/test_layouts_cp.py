@@ -203,3 +203,13 @@ def test_cp2_matches_single_process(cp_starts, case):
     ref, cp = _parallel((_train, 1, root / f"ref-{case}", *args), (_train, 2, root / f"cp2-{case}", *args, "--cp", "2"))
     assert sorted(ref) == list(range(1, STEPS + 1))
     _assert_steps_match(cp, ref, range(1, STEPS + 1), f"cp2 {case}")
+
+
+def test_default_position_ids_are_global_under_cp():
+    """GLM5Model.forward without position_ids: each CP rank's tokens get their global positions."""
+    from megatron_glm5.model.context_parallel import default_position_ids
+
+    ids = torch.zeros(2, 8, dtype=torch.long)  # this rank's 8 of 16 tokens (cp 2: chunks of 4)
+    assert default_position_ids(ids, 1, 0)[1].tolist() == list(range(8))
+    assert default_position_ids(ids, 2, 0)[0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert default_position_ids(ids, 2, 1)[1].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]

@@ -43,6 +43,17 @@ def local_positions(seq_len: int, cp_size: int, cp_rank: int, device=None) -> to
                       torch.arange(second * chunk, (second + 1) * chunk, device=device)])
 
 
+def default_position_ids(input_ids: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Position ids [b, s] for ``input_ids`` [b, s] given without them: 0..s-1, or under context parallelism (the
+    ids are this rank's load-balanced chunks of a sequence cp_size times longer) their global positions."""
+    s = input_ids.shape[1]
+    if cp_size == 1:
+        pos = torch.arange(s, device=input_ids.device)
+    else:
+        pos = local_positions(s * cp_size, cp_size, cp_rank, device=input_ids.device)
+    return pos.expand_as(input_ids)
+
+
 def global_order(seq_len: int, cp_size: int, device=None) -> torch.Tensor:
     """int64 [seq_len]: the row of the rank-major all-gathered sequence (rank 0's tokens, then rank 1's, ...)
     that holds each global position, i.e. ``global = gathered[global_order]``."""

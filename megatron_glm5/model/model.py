@@ -9,13 +9,12 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_glm5.model.attention_inputs import build_attention_inputs
 from megatron_glm5.model.block import GLM5TransformerBlock
-from megatron_glm5.model.context_parallel import setup_context_parallel
+from megatron_glm5.model.context_parallel import default_position_ids, setup_context_parallel
 from megatron_glm5.model.hybridep_dispatcher import hybridep_backend, setup_hybridep_groups
 from megatron_glm5.model import pipeline_topk
 from megatron_glm5.model.spec import check_pipeline_split, decoder_block_spec, mtp_block_spec, needs_topk_transfer
@@ -38,10 +37,12 @@ class GLM5Model(GPTModel):
         self.decoder.__class__ = GLM5TransformerBlock
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, *args, **kwargs):
-        """GPTModel.forward; ``position_ids`` default to 0..s-1 and the attention mask is not needed (GLM-5's
+        """GPTModel.forward; ``position_ids`` default to 0..s-1 (under context parallelism: the global positions of
+        this rank's chunks) and the attention mask is not needed (GLM-5's
         attention is causal, windows come from positions / packed_seq_params). Without labels: logits [b, s, V]."""
         if position_ids is None and input_ids is not None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            cp = self.config.context_parallel_size
+            position_ids = default_position_ids(input_ids, cp, self.pg_collection.cp.rank() if cp > 1 else 0)
         return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
