@@ -362,6 +362,9 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
                    help="load only the weights from --load (fresh optimizer, scheduler and iteration count)")
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG state")
+    g.add_argument("--override-opt-param-scheduler", action="store_true",
+                   help="on resume, take the LR schedule (--lr, --min-lr, warm-up, decay, weight decay) from the "
+                   "flags instead of the checkpoint; the step count is still restored")
     g.add_argument("--keep-last", type=_pos_int, default=None, metavar="N",
                    help="keep only the newest N checkpoints (default: keep all); the newest one that verifies "
                    "is never deleted")

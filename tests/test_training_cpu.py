@@ -161,6 +161,26 @@ def test_resume_is_bitwise(resume_runs, mode):
     assert lr[1] == 0.0 and lr[2] == pytest.approx(3e-3), lr
 
 
+def test_resume_lr_schedule_from_checkpoint_or_flags(resume_runs, tmp_path):
+    """A resumed run follows the checkpoint's LR schedule and warns when --lr/--min-lr ask for another;
+    --override-opt-param-scheduler takes the flags' schedule, keeping the restored step count."""
+    root = resume_runs["finetune"].root
+    a = series(read_metrics(root / "A" / "tensorboard"), "learning-rate")
+    common = RESUME_FLAGS[2:] + ["--load", str(root / "B"), "--no-save", "--train-iters", "8", "--eval-iters", "0",
+                                 "--lr", "1e-3", "--min-lr", "1e-4"]
+    kept, overridden = run_entries([
+        ("finetune", common + ["--tensorboard-dir", "kept"], tmp_path),
+        ("finetune", common + ["--tensorboard-dir", "over", "--override-opt-param-scheduler"], tmp_path)])
+    check_ok(kept), check_ok(overridden)
+    assert "resuming with the checkpoint's learning-rate schedule, not --lr 0.001 (checkpoint: 0.003)" in \
+        kept.stdout + kept.stderr, describe(kept)
+    assert series(read_metrics(tmp_path / "kept"), "learning-rate")[7] == a[7]
+    # the flags' cosine schedule over 8 iterations without warm-up (8 // 10 = 0), at step 7 (6 steps done):
+    # min + (max - min) * (1 + cos(pi * 6 / 8)) / 2
+    expected = 1e-4 + (1e-3 - 1e-4) * (1 + math.cos(math.pi * 6 / 8)) / 2
+    assert series(read_metrics(tmp_path / "over"), "learning-rate")[7] == pytest.approx(expected, rel=1e-9)
+
+
 # ------------------------------------------------------------------------------------------------ 4. SIGTERM
 
 

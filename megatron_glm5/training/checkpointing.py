@@ -518,6 +518,26 @@ def resolve_load_dir(load: str) -> tuple[str, int | None]:
                              f"(no {LATEST}, no metadata.json, no iter_* checkpoint)")
 
 
+def _set_group_lrs(optimizer, schedule) -> None:
+    """Set every parameter group's max_lr/min_lr (what the LR scheduler reads per group) from ``schedule``."""
+    if not schedule or "max_lr" not in schedule:
+        return
+    for group in optimizer.param_groups:
+        group["max_lr"], group["min_lr"] = schedule["max_lr"], schedule["min_lr"]
+
+
+def _warn_if_schedule_flags_ignored(scheduler, args) -> None:
+    """A resumed run follows the checkpoint's LR schedule; say so when the flags ask for another one."""
+    if args.override_opt_param_scheduler:
+        return
+    differs = [f"{flag} {mine:g} (checkpoint: {theirs:g})" for flag, mine, theirs in
+               (("--lr", args.lr, scheduler.max_lr), ("--min-lr", args.min_lr, scheduler.min_lr))
+               if mine != theirs]
+    if differs:
+        log.warning("resuming with the checkpoint's learning-rate schedule, not %s; pass "
+                    "--override-opt-param-scheduler to use the flags", ", ".join(differs))
+
+
 def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict:
     """Load into the model (and, unless --finetune/--no-load-optim, optimizer, scheduler, RNG, data position).
 
@@ -552,6 +572,9 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
     load_rng = not finetune and not args.no_load_rng and same_layout
     if load_optim:
         ensure_optimizer_state(optimizer)
+        # megatron-core pairs saved and current parameter groups by their max_lr/min_lr among other keys: build the
+        # groups with the checkpoint's values so that a resume with other --lr/--min-lr flags still loads
+        _set_group_lrs(optimizer, common.get("scheduler"))
         state["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=True, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     if load_rng:
@@ -572,7 +595,11 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
         log.info("loaded weights from %s (--finetune: optimizer, schedule and data position start fresh)", path)
         return {"iteration": 0, "data_state": {}}
     if load_sched:
+        # the scheduler computes each group's LR from the group's max_lr/min_lr: the checkpoint's, or the flags'
+        _set_group_lrs(optimizer, {"max_lr": args.lr, "min_lr": args.min_lr} if args.override_opt_param_scheduler
+                       else common.get("scheduler"))
         scheduler.load_state_dict(loaded["scheduler"])
+        _warn_if_schedule_flags_ignored(scheduler, args)
     if load_rng:
         _restore_rng(loaded["rng_state"])
     elif not same_layout:

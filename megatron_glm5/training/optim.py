@@ -33,8 +33,8 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
         end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * gbs,
         wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False,
+        use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
+        override_opt_param_scheduler=bool(args.override_opt_param_scheduler),
         wsd_decay_steps=(args.lr_wsd_decay_iters * gbs) if style == "WSD" and args.lr_wsd_decay_iters else None,
         lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None) if style == "WSD" else None,
     )
