@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from . import reference, triton_interpret_compat
-from .triton_sparse_mla import _block_h, _check
+from .triton_sparse_mla import _block_h, _check, _load_selected, _scores
 
 triton_interpret_compat.apply()
 
@@ -46,17 +46,9 @@ def _head_prob_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     for n0 in range(0, topk, BLOCK_N):
         slot = n0 + offs_n
-        idx = tl.load(IDX + t * stride_it + slot, mask=slot < topk, other=-1).to(tl.int64)
-        ok = (idx >= 0) & (idx < n_keys)
-        rows = KV + tl.where(ok, idx, 0) * stride_kvt
-        k_lat = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0)
-        k_rope = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
-            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision="ieee")
-        else:
-            s = tl.dot(q_lat, tl.trans(k_lat))
-            s = tl.dot(q_rope, tl.trans(k_rope), s)
+        idx, ok, k_lat, k_rope = _load_selected(IDX + t * stride_it, KV, stride_kvt, slot, topk, n_keys, offs_v, offs_r,
+                                                DV)
+        s = _scores(q_lat, q_rope, k_lat, k_rope, IEEE)
         s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -66,17 +58,9 @@ def _head_prob_kernel(
     lse = tl.where(h_ok & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
     for n0 in range(0, topk, BLOCK_N):
         slot = n0 + offs_n
-        idx = tl.load(IDX + t * stride_it + slot, mask=slot < topk, other=-1).to(tl.int64)
-        ok = (idx >= 0) & (idx < n_keys)
-        rows = KV + tl.where(ok, idx, 0) * stride_kvt
-        k_lat = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0)
-        k_rope = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
-            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision="ieee")
-        else:
-            s = tl.dot(q_lat, tl.trans(k_lat))
-            s = tl.dot(q_rope, tl.trans(k_rope), s)
+        idx, ok, k_lat, k_rope = _load_selected(IDX + t * stride_it, KV, stride_kvt, slot, topk, n_keys, offs_v, offs_r,
+                                                DV)
+        s = _scores(q_lat, q_rope, k_lat, k_rope, IEEE)
         p = tl.exp2(s * scale_log2 - lse[:, None])
         p = tl.where(ok[None, :], p, 0.0)
         tl.store(P + t * stride_pt + slot, tl.sum(p, axis=0), mask=slot < topk)

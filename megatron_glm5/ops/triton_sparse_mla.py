@@ -81,6 +81,30 @@ def _check(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -
 
 
 @triton.jit
+def _load_selected(IDX_ROW, KV, stride_kvt, slot, topk, n_keys, offs_v, offs_r, DV: tl.constexpr):
+    """The selected keys in top-k slots ``slot`` of one query (its index row IDX_ROW, -1 = unused): their
+    positions, which are valid, and the latent [BLOCK_N, DV] and rope [BLOCK_N, DR] parts of their KV rows."""
+    idx = tl.load(IDX_ROW + slot, mask=slot < topk, other=-1).to(tl.int64)
+    ok = (idx >= 0) & (idx < n_keys)
+    rows = KV + tl.where(ok, idx, 0) * stride_kvt
+    k_lat = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0)
+    k_rope = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None], other=0.0)
+    return idx, ok, k_lat, k_rope
+
+
+@triton.jit
+def _scores(q_lat, q_rope, k_lat, k_rope, IEEE: tl.constexpr):
+    """Absorbed MLA scores [BLOCK_H, BLOCK_N]: q . k over the latent and the rope columns, fp32 accumulation."""
+    if IEEE:
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
+        s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision="ieee")
+    else:
+        s = tl.dot(q_lat, tl.trans(k_lat))
+        s = tl.dot(q_rope, tl.trans(k_rope), s)
+    return s
+
+
+@triton.jit
 def _fwd_kernel(
     Q, KV, IDX, OUT, LSE,
     stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
@@ -105,17 +129,9 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_H, DVS], tl.float32)
     for n0 in range(0, topk, BLOCK_N):
         slot = n0 + offs_n
-        idx = tl.load(IDX + t * stride_it + slot, mask=slot < topk, other=-1).to(tl.int64)
-        ok = (idx >= 0) & (idx < n_keys)
-        rows = KV + tl.where(ok, idx, 0) * stride_kvt
-        k_lat = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0)
-        k_rope = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
-            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision="ieee")
-        else:
-            s = tl.dot(q_lat, tl.trans(k_lat))
-            s = tl.dot(q_rope, tl.trans(k_rope), s)
+        idx, ok, k_lat, k_rope = _load_selected(IDX + t * stride_it, KV, stride_kvt, slot, topk, n_keys, offs_v, offs_r,
+                                                DV)
+        s = _scores(q_lat, q_rope, k_lat, k_rope, IEEE)
         s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -125,11 +141,9 @@ def _fwd_kernel(
         if V_SPLIT == 1:
             v = k_lat
         else:
-            v = tl.load(rows[:, None] + offs_vs[None, :], mask=ok[:, None], other=0.0)
-        if IEEE:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            v = tl.load((KV + tl.where(ok, idx, 0) * stride_kvt)[:, None] + offs_vs[None, :], mask=ok[:, None],
+                        other=0.0)
+        acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE)
         m_i = m_new
 
     has = l_i > 0
@@ -198,19 +212,10 @@ def _bwd_kernel(
     dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
     for n0 in range(0, topk, BLOCK_N):
         slot = n0 + offs_n
-        idx = tl.load(IDX + t * stride_it + slot, mask=slot < topk, other=-1).to(tl.int64)
-        ok = (idx >= 0) & (idx < n_keys)
-        rows = KV + tl.where(ok, idx, 0) * stride_kvt
-        k_lat = tl.load(rows[:, None] + offs_v[None, :], mask=ok[:, None], other=0.0)
-        k_rope = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None], other=0.0)
-        if IEEE:
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
-            s = tl.dot(q_rope, tl.trans(k_rope), s, input_precision="ieee")
-            dp = tl.dot(do, tl.trans(k_lat), input_precision="ieee")
-        else:
-            s = tl.dot(q_lat, tl.trans(k_lat))
-            s = tl.dot(q_rope, tl.trans(k_rope), s)
-            dp = tl.dot(do, tl.trans(k_lat))
+        idx, ok, k_lat, k_rope = _load_selected(IDX + t * stride_it, KV, stride_kvt, slot, topk, n_keys, offs_v, offs_r,
+                                                DV)
+        s = _scores(q_lat, q_rope, k_lat, k_rope, IEEE)
+        dp = _mma(do, tl.trans(k_lat), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)
         p = tl.exp2(s * (scale * 1.4426950408889634) - lse[:, None])
         p = tl.where(ok[None, :], p, 0.0)
         ds = p * (dp - delta[:, None]) * scale
