@@ -29,6 +29,9 @@ def _env():
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.pop("MEGATRON_GLM5_DISABLE_SHIMS", None)
+    # layouts are compared with each other: torch.compile of megatron-core's small fusions, redone in every
+    # process at start-up, only costs time here (the training tests keep it on)
+    env["TORCHDYNAMO_DISABLE"] = "1"
     return env
 
 
