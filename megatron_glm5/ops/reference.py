@@ -387,6 +387,17 @@ class _IndexerKLFunction(torch.autograd.Function):
         )
 
 
+def kl_accumulators(q_idx, k_idx, weights, has_keys, token_mask, need_grad: bool, cdt):
+    """Shared set-up of the chunked indexer KL loss: which queries count (have keys and are not masked), on the
+    device and on the host, their number, and zero accumulators for the loss and, when needed, the indexer gradients."""
+    dev = q_idx.device
+    counted = has_keys if token_mask is None else has_keys & token_mask.to(dev, torch.bool).reshape(-1)
+    counted_host = counted.cpu()
+    zeros = lambda t: torch.zeros(t.shape, dtype=cdt, device=dev) if need_grad else None
+    return (counted, counted_host, int(counted_host.sum()), torch.zeros((), dtype=cdt, device=dev),
+            zeros(q_idx), zeros(k_idx), zeros(weights))
+
+
 def indexer_kl_loss(
     q_idx: Tensor,
     k_idx: Tensor,
@@ -432,14 +443,8 @@ def indexer_kl_loss(
         win = _Windows(key_start, query_end, n_q, n_k)
         plan = _dense_plan(win, n_q, chunk, max(n_heads, idx_heads) + 2)
         has_keys = (win.n_valid > 0).to(dev)
-    counted = has_keys if token_mask is None else has_keys & token_mask.to(dev, torch.bool).reshape(-1)
-    counted_host = counted.cpu()
-    n_tokens = int(counted_host.sum())
-
-    kl_sum = torch.zeros((), dtype=cdt, device=dev)
-    d_qi = torch.zeros(q_idx.shape, dtype=cdt, device=dev) if need_grad else None
-    d_ki = torch.zeros(k_idx.shape, dtype=cdt, device=dev) if need_grad else None
-    d_w = torch.zeros(weights.shape, dtype=cdt, device=dev) if need_grad else None
+    counted, counted_host, n_tokens, kl_sum, d_qi, d_ki, d_w = kl_accumulators(
+        q_idx, k_idx, weights, has_keys, token_mask, need_grad, cdt)
 
     with torch.no_grad():
         for c0, c1, lo, hi in plan:

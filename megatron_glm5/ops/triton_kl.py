@@ -92,19 +92,12 @@ def indexer_kl_loss_sparse(q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn
     idx_heads, idx_dim = q_idx.shape[1], q_idx.shape[2]
     if k_idx.shape[0] != n_k or q_idx.shape[0] != n_q or weights.shape != (n_q, idx_heads):
         raise ValueError("inconsistent shapes between q_idx/k_idx/weights and q/kv")
-    dev = q_idx.device
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_idx, k_idx, weights))
     cdt = torch.float32
     width = indices.shape[1]
     has_keys = (indices >= 0).any(dim=-1)
-    counted = has_keys if token_mask is None else has_keys & token_mask.to(dev, torch.bool).reshape(-1)
-    counted_host = counted.cpu()
-    n_tokens = int(counted_host.sum())
-
-    kl_sum = torch.zeros((), dtype=cdt, device=dev)
-    d_qi = torch.zeros(q_idx.shape, dtype=cdt, device=dev) if need_grad else None
-    d_ki = torch.zeros(k_idx.shape, dtype=cdt, device=dev) if need_grad else None
-    d_w = torch.zeros(weights.shape, dtype=cdt, device=dev) if need_grad else None
+    counted, counted_host, n_tokens, kl_sum, d_qi, d_ki, d_w = reference.kl_accumulators(
+        q_idx, k_idx, weights, has_keys, token_mask, need_grad, cdt)
     chunk = reference.DEFAULT_CHUNK if chunk_size is None else int(chunk_size)
     plan = reference._sparse_plan(n_q, width, chunk, idx_heads + idx_dim + 4)
 
