@@ -29,7 +29,7 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "triton==3.6.0"],
         "gpu": ["triton>=3.6"],
         "tilelang": ["tilelang>=0.1.6"],
-        "cudnn": ["nvidia-cudnn-frontend[cutedsl]"],
+        "cudnn": ["nvidia-cudnn-frontend[cutedsl]>=1.32"],  # cudnn.DSA, read from 1.32.0
         "te": ["transformer-engine[pytorch]"],
     },
     entry_points={},

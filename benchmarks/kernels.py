@@ -29,13 +29,19 @@ FWD_SWEEP = [
     dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2),
     dict(BLOCK_N=128, V_SPLIT=1, num_warps=8, num_stages=1),
 ]
+# H_SPLIT = 1 (all 64 heads in one program) halves the fp32 atomic dkv traffic; it needs 16 warps to hold dq
 BWD_SWEEP = [
-    dict(KERNEL="n", BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2),
-    dict(KERNEL="t", BLOCK_N=32, H_SPLIT=1, num_warps=8, num_stages=1),
-    dict(KERNEL="t", BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1),
-    dict(KERNEL="t", BLOCK_N=32, H_SPLIT=1, num_warps=4, num_stages=1),
-    dict(KERNEL="t", BLOCK_N=64, H_SPLIT=2, num_warps=8, num_stages=1),
-    dict(KERNEL="t", BLOCK_N=32, H_SPLIT=2, num_warps=4, num_stages=2),
+    dict(BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2),
+    dict(BLOCK_N=32, H_SPLIT=1, num_warps=16, num_stages=1),
+    dict(BLOCK_N=16, H_SPLIT=1, num_warps=16, num_stages=2),
+    dict(BLOCK_N=16, H_SPLIT=1, num_warps=8, num_stages=1),
+    dict(BLOCK_N=32, H_SPLIT=2, num_warps=16, num_stages=2),
+    dict(BLOCK_N=64, H_SPLIT=2, num_warps=16, num_stages=1),
+]
+KL_SWEEP = [
+    dict(BLOCK_N=32, num_warps=4, num_stages=3),
+    dict(BLOCK_N=64, num_warps=4, num_stages=2),
+    dict(BLOCK_N=32, num_warps=2, num_stages=3),
 ]
 
 
@@ -108,13 +114,30 @@ def sweep(seq, reps, log):
         except Exception as e:
             res["bwd"].append(dict(config=cfg, error=str(e).splitlines()[0][:200]))
             log(f"sweep bwd {cfg}: failed: {str(e).splitlines()[0][:200]}")
+    from megatron_glm5.ops import triton_kl
+
+    res["kl"] = []
+    qi, ki, w = (x.detach().requires_grad_() for x in (p.qi, p.ki, p.w))
+    for cfg in KL_SWEEP:
+        try:
+            ms = timed(lambda: triton_kl.indexer_kl_loss_sparse(qi, ki, w, DI ** -0.5, p.q, p.kv, p.scale, p.indices,
+                                                                DV, attn_lse=lse, config=cfg)[0].backward(),
+                       p.refill, reps)
+            res["kl"].append(dict(config=cfg, ms=ms))
+            log(f"sweep indexer KL fwd+grad S={seq} {cfg}: {ms:.2f} ms")
+        except Exception as e:
+            res["kl"].append(dict(config=cfg, error=str(e).splitlines()[0][:200]))
+            log(f"sweep kl {cfg}: failed: {str(e).splitlines()[0][:200]}")
+    ok_k = [r for r in res["kl"] if "ms" in r]
+    if ok_k:
+        triton_kl.KL_CONFIG.update(min(ok_k, key=lambda r: r["ms"])["config"])
     ok_f = [r for r in res["fwd"] if "ms" in r]
     ok_b = [r for r in res["bwd"] if "ms" in r]
     if ok_f:
         tsm.FWD_CONFIG.update(min(ok_f, key=lambda r: r["ms"])["config"])
     if ok_b:
         tsm.BWD_CONFIG.update(min(ok_b, key=lambda r: r["ms"])["config"])
-    log(f"chosen fwd {tsm.FWD_CONFIG}, bwd {tsm.BWD_CONFIG}")
+    log(f"chosen fwd {tsm.FWD_CONFIG}, bwd {tsm.BWD_CONFIG}, kl {triton_kl.KL_CONFIG}")
     torch.cuda.empty_cache()
     return res
 
@@ -142,12 +165,23 @@ def bench(seq, reps, with_reference, log):
         add(f"sparse_mla bwd (triton, {'deterministic' if det else 'atomic'})", timed(
             lambda: tsm.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
                                        deterministic=det), p.refill, reps), 2.5 * p.fwd_flop)
-    add("indexer KL target (triton head probs)", timed(
+    add("indexer KL target (head probs, 2 passes)", timed(
         lambda: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV), p.refill, max(5, reps // 4)))
+    add("indexer KL target (head probs, fwd lse)", timed(
+        lambda: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV, attn_lse=lse), p.refill,
+        max(5, reps // 4)))
     qi, ki, w = (x.detach().requires_grad_() for x in (p.qi, p.ki, p.w))
-    add("indexer KL loss fwd+grad (triton+torch)", timed(
-        lambda: triton_kl.indexer_kl_loss_sparse(qi, ki, w, DI ** -0.5, p.q, p.kv, p.scale, p.indices,
-                                                 DV)[0].backward(), p.refill, max(3, reps // 8)))
+    for det in (False, True):
+        add(f"indexer KL loss fwd+grad ({'deterministic' if det else 'atomic'})", timed(
+            lambda: triton_kl.indexer_kl_loss_sparse(qi, ki, w, DI ** -0.5, p.q, p.kv, p.scale, p.indices, DV,
+                                                     attn_lse=lse, deterministic=det)[0].backward(),
+            p.refill, max(5, reps // 4)))
+    from megatron_glm5.ops import flashmla_backend
+
+    if flashmla_backend.probe_flash_mla():  # peer kernel, when FlashMLA is built on this machine
+        add("sparse_mla fwd (FlashMLA flash_mla_sparse_fwd)", timed(
+            lambda: flashmla_backend.flash_mla_sparse_forward(p.q, p.kv, p.indices, p.scale, DV), p.refill, reps),
+            p.fwd_flop)
     if with_reference:
         add("sparse_mla fwd (torch reference)", timed(
             lambda: reference.sparse_mla(p.q, p.kv, p.indices, p.scale, DV), p.refill, max(3, reps // 8)),

@@ -87,6 +87,55 @@ def step_transformers(model, ids):
     return out.loss
 
 
+def _profile(model, step, cfg, args, device, gen) -> str:
+    """One more step under torch.profiler: the table of the --profile ops with the most device (else CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen).to(device)
+    with profile(activities=acts) as prof:
+        step(model, ids)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    for p in model.parameters():
+        p.grad = None
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=70)
+
+
+def _sync_sites(model, step, cfg, args, device, gen) -> list:
+    """One more step with torch's CUDA sync debug mode: where (innermost frames of megatron_glm5 / megatron /
+    transformers) the step makes the host wait for the GPU, with counts."""
+    import collections
+    import traceback
+    import warnings
+
+    sites = collections.Counter()
+    old_show = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return old_show(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if any(k in f.filename for k in ("megatron_glm5", "megatron/core", "transformers"))]
+        sites[" <- ".join(f"{f.filename.split('/')[-1]}:{f.lineno}" for f in frames[-3:][::-1]) or filename] += 1
+
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen).to(device)
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            step(model, ids)
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = old_show
+    for p in model.parameters():
+        p.grad = None
+    return sites.most_common()
+
+
 def run(name, build, step, cfg, args, device) -> dict:
     torch.manual_seed(0)
     if device.type == "cuda":
@@ -107,6 +156,8 @@ def run(name, build, step, cfg, args, device) -> dict:
         if hasattr(model, "zero_grad_buffer"):
             model.zero_grad_buffer()
     ms = statistics.median(times)
+    profile = _profile(model, step, cfg, args, device, gen) if args.profile else None
+    syncs = _sync_sites(model, step, cfg, args, device, gen) if args.sync_debug and device.type == "cuda" else None
     tokens = args.batch * args.seq
     flops = training_flops_per_token(cfg, args.seq, sparse=True) * tokens
     res = {"impl": name, "ms_per_step": ms, "tokens_per_s": tokens / (ms / 1e3),
@@ -114,6 +165,10 @@ def run(name, build, step, cfg, args, device) -> dict:
            "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None}
     if args.peak_tflops:
         res["mfu"] = res["model_tflops"] / args.peak_tflops
+    if profile is not None:
+        res["profile"] = profile
+    if syncs is not None:
+        res["sync_sites"] = syncs
     del model
     gc.collect()
     return res
@@ -134,6 +189,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--peak-tflops", type=float, default=751.0)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile one more step of each impl and print its N most expensive ops")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="after timing, list where one more step of each impl synchronises the host with the GPU")
     args = p.parse_args(argv)
 
     device = torch.device(args.device)
@@ -162,6 +221,13 @@ def main(argv=None) -> int:
     if len(results) == 2:
         print(f"speed-up {results[1]['ms_per_step'] / results[0]['ms_per_step']:.2f}x "
               f"({results[0]['impl']} vs {results[1]['impl']})")
+    for r in results:
+        if "sync_sites" in r:
+            print(f"\n== host-GPU synchronisations: {r['impl']} (one step; count, innermost frames) ==")
+            for site, n in r["sync_sites"]:
+                print(f"{n:5d}  {site}")
+        if "profile" in r:
+            print(f"\n== profile: {r['impl']} (one step, ops by self device time) ==\n{r['profile']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     return 0

@@ -16,10 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 def test_proxy_step_benchmark_runs_both_implementations(tmp_path):
     out = tmp_path / "proxy.json"
     cmd = [sys.executable, str(REPO / "benchmarks/proxy_step.py"), "--preset", "tiny", "--layers", "2", "--dense", "1",
-           "--seq", "64", "--steps", "2", "--warmup", "1", "--attn", "torch", "--device", "cpu", "--json", str(out)]
+           "--seq", "64", "--steps", "2", "--warmup", "1", "--attn", "torch", "--device", "cpu", "--json", str(out), "--profile", "5"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "speed-up" in r.stdout
+    assert r.stdout.count("== profile:") == 2 and "aten::" in r.stdout  # the --profile tables of both
     res = {x["impl"]: x for x in json.loads(out.read_text())["results"]}
     assert set(res) == {"ours", "transformers"}
     ln_vocab = math.log(GLM5Config.from_preset("tiny").vocab_size)

@@ -52,9 +52,12 @@ def int_inputs(n_q, n_k, heads, dim, gen):
 # ----------------------------------------------------------------------------------------------------------------------
 
 D_V, D_ROPE = 32, 16
-# (layout, deterministic dkv, backward kernel: "n" plain / "t" transposed formulation)
-MLA_MODES = [("packed", True, "n"), ("packed", False, "t"), ("cp", True, "t"), ("cp", False, "n"),
-             ("empty_rows", True, "t")]
+# (layout, deterministic dkv)
+MLA_MODES = [("packed", True), ("packed", False), ("cp", True), ("cp", False), ("empty_rows", True)]
+# indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block); top-k 8 / 16 / 12 below, so
+# block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12)
+KL_MODES = [("packed", False, True, 16), ("packed", True, False, 8), ("cp", True, True, 8),
+            ("cp", False, False, 16), ("empty_rows", False, True, 8), ("empty_rows", True, True, 16)]
 TOPK_CASES = [("batch2", 5), ("packed", 64), ("cp", 5), ("empty_rows", 64)]  # 64: more than any window
 
 
@@ -73,7 +76,7 @@ def build_cases():
         idx = random_indices(ks, qe, topk, g)
         q = torch.randn(n_q, heads, D_V + D_ROPE, generator=g)
         kv = torch.randn(n_k, D_V + D_ROPE, generator=g)
-        cases[f"mla_{name}"] = dict(kind="mla", modes=[m[1:] for m in MLA_MODES if m[0] == name], q=q, kv=kv, indices=idx, scale=0.3, d_v=D_V,
+        cases[f"mla_{name}"] = dict(kind="mla", modes=[m[1] for m in MLA_MODES if m[0] == name], q=q, kv=kv, indices=idx, scale=0.3, d_v=D_V,
                                     d_out=torch.randn(n_q, heads, D_V, generator=g),
                                     d_lse=torch.randn(n_q, heads, generator=g))
         qi, ki, w = (torch.randn(n_q, 4, 8, generator=g), torch.randn(n_k, 8, generator=g),
@@ -81,7 +84,7 @@ def build_cases():
         mask = torch.rand(n_q, generator=g) > 0.2
         cases[f"kl_{name}"] = dict(kind="kl", q_idx=qi, k_idx=ki, weights=w, idx_scale=0.5, q=q, kv=kv, scale=0.3,
                                    indices=idx, d_v=D_V, token_mask=mask, hook="mix" if name == "cp" else "none",
-                                   chunk=7)
+                                   modes=[m[1:] for m in KL_MODES if m[0] == name])
         if name == "packed":
             cases["backend"] = dict(kind="backend", q=q, kv=kv, indices=idx, scale=0.3, d_v=D_V, key_start=ks,
                                     query_end=qe)
@@ -124,11 +127,11 @@ def _ref_mla(c):
 
 
 @needs_triton
-@pytest.mark.parametrize("name,deterministic,kernel", MLA_MODES)
-def test_interp_sparse_mla_fwd_bwd(interp, name, deterministic, kernel):
+@pytest.mark.parametrize("name,deterministic", MLA_MODES)
+def test_interp_sparse_mla_fwd_bwd(interp, name, deterministic):
     cases, res = interp
     want = _ref_mla(cases[f"mla_{name}"])
-    got = res[f"mla_{name}"][(deterministic, kernel)]
+    got = res[f"mla_{name}"][deterministic]
     empty = torch.isinf(want["lse"])
     assert torch.equal(torch.isinf(got["lse"]), empty)  # rows without keys: lse = -inf, out = 0
     assert not torch.isnan(got["lse"]).any()
@@ -139,11 +142,11 @@ def test_interp_sparse_mla_fwd_bwd(interp, name, deterministic, kernel):
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["packed", "cp", "empty_rows"])
-def test_interp_indexer_kl_loss(interp, name):
+@pytest.mark.parametrize("name,deterministic,with_lse,block_n", KL_MODES)
+def test_interp_indexer_kl_loss(interp, name, deterministic, with_lse, block_n):
     cases, res = interp
     c = cases[f"kl_{name}"]
-    got = res[f"kl_{name}"]
+    got = res[f"kl_{name}"][deterministic, with_lse, block_n]
     from triton_interp_runner import HOOKS
 
     q_idx = c["q_idx"].to(F64).requires_grad_()
@@ -199,7 +202,6 @@ needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()),
 S_GPU, H, DQK, DV, TOPK, HI, DI = 4096, 64, 576, 512, 2048, 32, 128
 
 
-GPU_BWD_T = dict(KERNEL="t", BLOCK_N=32, H_SPLIT=1, num_warps=8, num_stages=1)
 
 
 def rel_l2(a, b):
@@ -226,7 +228,7 @@ def gpu_layouts():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("layout,bwd", [("causal", "default"), ("packed", "default"), ("causal", "transposed")])
+@pytest.mark.parametrize("layout,bwd", [("causal", "default"), ("packed", "default"), ("causal", "fallback")])
 def test_gpu_sparse_mla_real_shapes(layout, bwd):
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -246,7 +248,7 @@ def test_gpu_sparse_mla_real_shapes(layout, bwd):
     assert not out.isnan().any() and not lse.isnan().any()
     assert rel_l2(out, ro) <= 1e-2 and rel_l2(lse, rl) <= 1e-2
     grads = {}
-    cfg = GPU_BWD_T if bwd == "transposed" else None
+    cfg = tsm.BWD_FALLBACKS[0] if bwd == "fallback" else None  # the configuration used when shared memory is short
     for det in (True, False):
         dq = torch.full_like(q, float("nan"))
         grads[det, str(cfg)] = g = tsm.sparse_mla_bwd(q, kv, idx, out, lse, d_out, None, scale, DV,
@@ -291,7 +293,7 @@ def test_gpu_indexer_topk_real_shapes(layout):
 @gpu
 @needs_cuda
 def test_gpu_indexer_kl_loss_real_shapes():
-    from megatron_glm5.ops import triton_kl
+    from megatron_glm5.ops import triton_kl, triton_sparse_mla
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     ks, qe = gpu_layouts()["causal"]
@@ -301,20 +303,28 @@ def test_gpu_indexer_kl_loss_real_shapes():
     qi = torch.randn(S_GPU, HI, DI, device="cuda", generator=gen).bfloat16()
     ki = torch.randn(S_GPU, DI, device="cuda", generator=gen).bfloat16()
     w = torch.randn(S_GPU, HI, device="cuda", generator=gen) * HI ** -0.5
-    p = torch.full((S_GPU, TOPK), float("nan"), device="cuda")
-    triton_kl.head_summed_probs(q, kv, idx, DQK ** -0.5, DV, out=p)
-    assert not p.isnan().any()
-    res = []
-    for fn in (triton_kl.indexer_kl_loss_sparse, None):
-        a = [x.clone().float().requires_grad_() for x in (qi, ki, w)]
-        if fn is None:
-            kl, n = reference.indexer_kl_loss(a[0], a[1], a[2], DI ** -0.5, q.float(), kv.float(), DQK ** -0.5,
-                                              None, None, indices=idx)
-        else:
-            kl, n = fn(a[0], a[1], a[2], DI ** -0.5, q, kv, DQK ** -0.5, idx, DV)
-        kl.backward()
-        res.append((kl.detach(), n, [x.grad for x in a]))
-    (kl_t, n_t, g_t), (kl_r, n_r, g_r) = res
-    assert n_t == n_r and abs(float(kl_t - kl_r)) <= 1e-2 * abs(float(kl_r))
-    for gt, gr in zip(g_t, g_r):
-        assert not gt.isnan().any() and rel_l2(gt, gr) <= 1e-2
+    lse = triton_sparse_mla.sparse_mla_fwd(q, kv, idx, DQK ** -0.5, DV)[1]
+    probs = []
+    for given in (None, lse):  # two passes, or one with the forward's lse: the same head sums
+        p = torch.full((S_GPU, TOPK), float("nan"), device="cuda")
+        triton_kl.head_summed_probs(q, kv, idx, DQK ** -0.5, DV, attn_lse=given, out=p)
+        assert not p.isnan().any()
+        probs.append(p)
+    assert rel_l2(probs[1], probs[0]) <= 1e-3
+    a = [x.clone().float().requires_grad_() for x in (qi, ki, w)]
+    kl_r, n_r = reference.indexer_kl_loss(a[0], a[1], a[2], DI ** -0.5, q.float(), kv.float(), DQK ** -0.5,
+                                          None, None, indices=idx)
+    kl_r.backward()
+    g_r = [x.grad for x in a]
+    det_grads = []
+    for det, given in ((False, None), (True, lse), (True, lse)):
+        a = [x.clone().requires_grad_() for x in (qi, ki, w)]  # bf16 indexer inputs, as in training
+        kl_t, n_t = triton_kl.indexer_kl_loss_sparse(a[0], a[1], a[2], DI ** -0.5, q, kv, DQK ** -0.5, idx, DV,
+                                                     attn_lse=given, deterministic=det)
+        kl_t.backward()
+        assert n_t == n_r and abs(float(kl_t - kl_r)) <= 1e-2 * abs(float(kl_r)), (det, float(kl_t), float(kl_r))
+        for x, gr, name in zip(a, g_r, ("d_q_idx", "d_k_idx", "d_w")):
+            assert not x.grad.isnan().any() and rel_l2(x.grad, gr) <= 1e-2, (name, det, rel_l2(x.grad, gr))
+        if det:
+            det_grads.append(a[1].grad)
+    assert torch.equal(det_grads[0], det_grads[1])  # deterministic d_k_idx: bitwise the same run to run

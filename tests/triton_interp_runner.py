@@ -27,28 +27,34 @@ def run_mla(c):
     kv = c["kv"].clone().requires_grad_()
     res = {}
     default = dict(triton_sparse_mla.BWD_CONFIG)
-    for det, kernel in c["modes"]:
+    for det in c["modes"]:
         q.grad = kv.grad = None
-        triton_sparse_mla.BWD_CONFIG.update(KERNEL=kernel, BLOCK_N=16, H_SPLIT=2)
+        triton_sparse_mla.BWD_CONFIG.update(BLOCK_N=16, H_SPLIT=2)
         out, lse = triton_sparse_mla.sparse_mla(q, kv, c["indices"], c["scale"], c["d_v"], deterministic=det)
         loss = (out * c["d_out"]).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * c["d_lse"]).sum()
         loss.backward()
         triton_sparse_mla.BWD_CONFIG.update(default)
-        res[(det, kernel)] = dict(out=out.detach(), lse=lse.detach(), dq=q.grad.clone(), dkv=kv.grad.clone())
+        res[det] = dict(out=out.detach(), lse=lse.detach(), dq=q.grad.clone(), dkv=kv.grad.clone())
     return res
 
 
 def run_kl(c):
-    from megatron_glm5.ops import triton_kl
+    """Each mode: (deterministic d_k_idx, the forward's lse passed or not, KL block size)."""
+    from megatron_glm5.ops import triton_kl, triton_sparse_mla
 
-    q_idx = c["q_idx"].clone().requires_grad_()
-    k_idx = c["k_idx"].clone().requires_grad_()
-    w = c["weights"].clone().requires_grad_()
-    kl, n = triton_kl.indexer_kl_loss_sparse(
-        q_idx, k_idx, w, c["idx_scale"], c["q"], c["kv"], c["scale"], c["indices"], c["d_v"],
-        token_mask=c.get("token_mask"), head_sum_reduce=HOOKS[c.get("hook", "none")], chunk_size=c.get("chunk"))
-    kl.backward()
-    return dict(kl=kl.detach(), n=n, d_q_idx=q_idx.grad, d_k_idx=k_idx.grad, d_w=w.grad)
+    lse = triton_sparse_mla.sparse_mla_fwd(c["q"], c["kv"], c["indices"], c["scale"], c["d_v"])[1]
+    res = {}
+    for det, with_lse, block_n in c["modes"]:
+        q_idx = c["q_idx"].clone().requires_grad_()
+        k_idx = c["k_idx"].clone().requires_grad_()
+        w = c["weights"].clone().requires_grad_()
+        kl, n = triton_kl.indexer_kl_loss_sparse(
+            q_idx, k_idx, w, c["idx_scale"], c["q"], c["kv"], c["scale"], c["indices"], c["d_v"],
+            token_mask=c.get("token_mask"), head_sum_reduce=HOOKS[c.get("hook", "none")],
+            attn_lse=lse if with_lse else None, deterministic=det, config=dict(BLOCK_N=block_n))
+        kl.backward()
+        res[det, with_lse, block_n] = dict(kl=kl.detach(), n=n, d_q_idx=q_idx.grad, d_k_idx=k_idx.grad, d_w=w.grad)
+    return res
 
 
 def run_backend(c):

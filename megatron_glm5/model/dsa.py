@@ -138,14 +138,14 @@ class GLM5SparseAttention(MegatronModule):
                     "which did not run before it in this forward")
             indices = inputs.topk_store[self.source_key]
 
-        out, _lse = self.backend.sparse_mla(q, kv, indices, self.softmax_scale, cfg.kv_lora_rank,
+        out, lse = self.backend.sparse_mla(q, kv, indices, self.softmax_scale, cfg.kv_lora_rank,
                                             key_start=inputs.key_start, query_end=inputs.query_end,
                                             chunk_size=cfg.dsa_chunk_size)
         if with_loss:
             kl_sum, n_tokens = self.backend.indexer_kl_loss(
                 q_idx, k_idx, w_idx, self.indexer.softmax_scale, q.detach(), kv.detach(), self.softmax_scale,
                 inputs.key_start, inputs.query_end, indices=indices, head_sum_reduce=self._head_sum_reduce(),
-                chunk_size=cfg.dsa_chunk_size)
+                chunk_size=cfg.dsa_chunk_size, attn_lse=None if indices is None else lse.detach())
             kl = kl_sum / max(n_tokens, 1)
             self.last_indexer_loss = kl.detach()
             self.kl_log[0] = self.kl_log[0] + self.last_indexer_loss  # stays on device: no sync per forward

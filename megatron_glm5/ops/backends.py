@@ -1,9 +1,11 @@
 """Attention-backend registry: where GPU kernels for the DSA ops plug in.
 
 Every backend offers the three ops of ``megatron_glm5.ops.reference`` with the same signatures:
-``indexer_topk``, ``sparse_mla`` and ``indexer_kl_loss``.  "torch" (the pure-torch reference) and "triton" (our
-Triton kernels, TritonBackend) are implemented; "tilelang", "cudnn" and "flashmla" are registered placeholders whose ``available()`` reports
-whether their package and a CUDA GPU are present, and ``get_backend`` refuses them honestly (no fake kernels).
+``indexer_topk``, ``sparse_mla`` and ``indexer_kl_loss``.  Implemented: "torch" (the pure-torch reference),
+"triton" (our Triton kernels, TritonBackend), "flashmla" (FlashMLA's sparse forward + our Triton backward,
+flashmla_backend) and "cudnn" (cuDNN frontend's DSA indexer and sparse backward, cudnn_backend).  "tilelang" is a
+registered placeholder: ``get_backend`` refuses it (no kernels in this release).  docs/design.md, "Attention
+backends", says what runs where.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ class AttentionBackend:
 
     def indexer_kl_loss(
         self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
-        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None,
+        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
     ):
+        """attn_lse: optionally, sparse_mla's lse for the same q, kv, indices, scale (a backend may reuse it)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -78,7 +81,7 @@ class TorchBackend(AttentionBackend):
 
     def indexer_kl_loss(
         self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
-        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None,
+        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
     ):
         return reference.indexer_kl_loss(
             q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
@@ -103,8 +106,9 @@ class TritonBackend(AttentionBackend):
     indexer_topk: fused scores + exact chunked top-k (triton_indexer).  sparse_mla with indices: Triton forward
     and backward (triton_sparse_mla; dkv summed with fp32 atomics, bitwise reproducible with
     GLM5_TRITON_DETERMINISTIC=1 or ``deterministic=True`` at 1.7x the backward time).  sparse_mla without indices (dense warm-up) and indexer_kl_loss without indices fall
-    back to the torch reference; indexer_kl_loss with indices uses a Triton target kernel plus chunked torch
-    (triton_kl).  Needs power-of-two d_v, d_qk - d_v and index head dim.
+    back to the torch reference; indexer_kl_loss with indices runs two Triton kernels
+    (triton_kl: head-summed attention probabilities -- one pass when the forward's lse is passed as attn_lse -- and
+    the fused indexer logits / KL / gradients).  Needs power-of-two d_v, d_qk - d_v and index head dim.
     """
 
     name = "triton"
@@ -165,10 +169,11 @@ class TritonBackend(AttentionBackend):
 
     def indexer_kl_loss(
         self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
-        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None,
+        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
     ):
         split = _pow2_split(q.shape[-1])
-        if indices is None or split is None:
+        d_i = q_idx.shape[-1]
+        if indices is None or split is None or d_i & (d_i - 1):
             return reference.indexer_kl_loss(
                 q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
                 indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
@@ -177,7 +182,8 @@ class TritonBackend(AttentionBackend):
 
         return triton_kl.indexer_kl_loss_sparse(
             q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, indices, split[0],
-            token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
+            token_mask=token_mask, head_sum_reduce=head_sum_reduce, attn_lse=attn_lse,
+            deterministic=self.deterministic,
         )
 
 
@@ -229,16 +235,16 @@ class PendingGPUBackend(AttentionBackend):
     indexer_kl_loss = _refuse
 
 
+# after the classes above: these modules subclass TritonBackend (indexer / KL ops) and use the helpers above
+from .cudnn_backend import CudnnBackend  # noqa: E402
+from .flashmla_backend import FlashMLABackend  # noqa: E402
+
 BACKENDS: Dict[str, AttentionBackend] = {
     "torch": TorchBackend(),
     "triton": TritonBackend(),
     "tilelang": PendingGPUBackend("tilelang", "tilelang", "pip install 'megatron-glm5[tilelang]'"),
-    "cudnn": PendingGPUBackend(
-        "cudnn", "cudnn", "pip install 'megatron-glm5[cudnn]' (package nvidia-cudnn-frontend)"
-    ),
-    "flashmla": PendingGPUBackend(
-        "flashmla", "flash_mla", "build FlashMLA from source: https://github.com/deepseek-ai/FlashMLA"
-    ),
+    "cudnn": CudnnBackend(),
+    "flashmla": FlashMLABackend(),
 }
 
 #: order in which "auto" tries backends (fastest first); only implemented, available ones are chosen

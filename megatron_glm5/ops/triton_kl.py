@@ -1,37 +1,50 @@
-"""Indexer KL loss for the Triton backend: a Triton kernel for the target, a chunked torch composition for the rest.
+"""Indexer KL loss for the Triton backend (sparse stage: indices given; the dense warm-up uses the reference).
 
-Only the sparse stage (indices given) runs here; the dense warm-up (indices None) uses the reference.
+Two kernels, one program per query token each; nothing of size [T, h, K] or [T, K, d_index] is ever formed.
 
-* Target (the expensive part: h = 64 heads x 576 dims per selected key): ``_head_prob_kernel``, one program per
-  query token, makes two passes over the selected kv rows -- the first for each head's log-sum-exp, the second
-  for sum_h softmax_h(j) -- and writes the head-summed probabilities [T, K] (fp32, 0 on unused slots).  No
-  [T, h, K] tensor exists.
-* Indexer distribution, KL and the gradients to q_idx / k_idx / weights: plain torch on query chunks of [C, K]
-  (C bounded by ``reference.CHUNK_BUDGET``), with the same formulas as ``reference.indexer_kl_loss`` and its
-  helpers (``_index_logits``, ``_KeySet``, ``_IndexerKLFunction``).  head_sum_reduce is applied per chunk, as in
-  the reference.
+* ``_head_prob_kernel`` -- the target's unnormalised head sums P[t, j] = sum_h softmax_j(scale * q[t, h] . kv[j])
+  over the selected keys j (h = 64 heads x 576 dims per key: the expensive part).  When the sparse forward's
+  log-sum-exp is passed (``attn_lse``, natural log per head, as ``sparse_mla`` returns it) one pass over the keys
+  suffices; without it a first pass computes each head's log-sum-exp.  P is fp32, 0 on unused slots.  An optional
+  ``head_sum_reduce`` (the TP all-reduce over head shards) is applied to the whole [T, K] tensor, once.
+* ``_indexer_kl_kernel`` -- the indexer side, fused: pass 1 gathers the selected index keys, forms the logits
+  z_j = sum_h w_h relu(idx_scale * q_idx[t, h] . k_idx[j]) and their log-sum-exp (and sums P for the target's
+  normalisation); pass 2 recomputes z, adds the token's KL(target || softmax(z)) and, when gradients are needed,
+  g = softmax(z) - target, dw = sum_j g_j relu(a_hj), da = g w (a > 0) idx_scale, dq_idx = da . K, and dk_idx rows
+  += da^T q_idx -- fp32 atomics, or (deterministic mode) per-(token, slot) rows reduced by key in a fixed order with
+  the sparse-MLA backward's segmented sum.
+Same contract and formulas as ``reference.indexer_kl_loss`` (its tests compare against it); the gradients are
+computed in the forward and scaled in backward by ``reference._IndexerKLFunction``.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from . import reference, triton_interpret_compat
-from .triton_sparse_mla import _block_h, _check, _load_selected, _scores
+from .triton_sparse_mla import (DET_BUFFER_BYTES, LOG2E, _block_h, _check, _load_selected, _mma, _scores,
+                                _segment_reduce_into, deterministic_default)
 
 triton_interpret_compat.apply()
 
-CONFIG = dict(BLOCK_N=32, num_warps=8, num_stages=1)
+# tuned on the H200 (docs/performance.md, "Kernels")
+PROB_CONFIG = dict(BLOCK_N=64, num_warps=8, num_stages=2)
+KL_CONFIG = dict(BLOCK_N=32, num_warps=4, num_stages=3)
+KL_FALLBACK = dict(BLOCK_N=32, num_warps=4, num_stages=1)
 
 
 @triton.jit
 def _head_prob_kernel(
-    Q, KV, IDX, P,
-    stride_qt, stride_qh, stride_kvt, stride_it, stride_pt,
+    Q, KV, IDX, LSE, P,
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_lt, stride_pt,
     n_heads, n_keys, topk, scale_log2,
-    DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, LSE_GIVEN: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -42,20 +55,25 @@ def _head_prob_kernel(
     q_base = Q + t * stride_qt + offs_h[:, None] * stride_qh
     q_lat = tl.load(q_base + offs_v[None, :], mask=h_ok[:, None], other=0.0)
     q_rope = tl.load(q_base + DV + offs_r[None, :], mask=h_ok[:, None], other=0.0)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    for n0 in range(0, topk, BLOCK_N):
-        slot = n0 + offs_n
-        idx, ok, k_lat, k_rope = _load_selected(IDX + t * stride_it, KV, stride_kvt, slot, topk, n_keys, offs_v, offs_r,
-                                                DV)
-        s = _scores(q_lat, q_rope, k_lat, k_rope, IEEE)
-        s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s - m_use[:, None]), axis=1)
-        m_i = m_new
-    # padded heads and heads without keys contribute nothing
-    lse = tl.where(h_ok & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
+    if LSE_GIVEN:
+        lse = tl.load(LSE + t * stride_lt + offs_h, mask=h_ok, other=float("inf"))
+        # natural log -> log2 units of the scaled scores; heads without keys (-inf) give p = 0
+        lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    else:
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        for n0 in range(0, topk, BLOCK_N):
+            slot = n0 + offs_n
+            idx, ok, k_lat, k_rope = _load_selected(IDX + t * stride_it, KV, stride_kvt, slot, topk, n_keys, offs_v,
+                                                    offs_r, DV)
+            s = _scores(q_lat, q_rope, k_lat, k_rope, IEEE)
+            s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s - m_use[:, None]), axis=1)
+            m_i = m_new
+        # padded heads and heads without keys contribute nothing
+        lse = tl.where(h_ok & (l_i > 0), m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("inf"))
     for n0 in range(0, topk, BLOCK_N):
         slot = n0 + offs_n
         idx, ok, k_lat, k_rope = _load_selected(IDX + t * stride_it, KV, stride_kvt, slot, topk, n_keys, offs_v, offs_r,
@@ -66,70 +84,180 @@ def _head_prob_kernel(
         tl.store(P + t * stride_pt + slot, tl.sum(p, axis=0), mask=slot < topk)
 
 
-def head_summed_probs(q, kv, indices, softmax_scale: float, d_v: int, config=None, out=None) -> torch.Tensor:
+def head_summed_probs(q, kv, indices, softmax_scale: float, d_v: int, attn_lse: Optional[torch.Tensor] = None,
+                      config=None, out=None) -> torch.Tensor:
     """[T, K] fp32: sum over heads of softmax_j(scale * q[t, h] . kv[indices[t, j]]) (0 on unused slots).
-    out may be given (contiguous, written in full)."""
+    attn_lse [T, h] (natural log, -inf for heads without keys): the softmax's log-sum-exp when already known (the
+    sparse forward returns it) -- one pass over the keys instead of two.  out may be given (contiguous, written in
+    full)."""
     d_rope = _check(q, kv, indices, d_v)
-    cfg = dict(CONFIG, **(config or {}))
+    cfg = dict(PROB_CONFIG, **(config or {}))
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
     n_q, h, _ = q.shape
+    if attn_lse is not None:
+        if attn_lse.shape != (n_q, h):
+            raise ValueError(f"attn_lse must be [T={n_q}, h={h}], got {tuple(attn_lse.shape)}")
+        attn_lse = attn_lse.detach().float().contiguous()
     p = torch.empty(n_q, indices.shape[1], dtype=torch.float32, device=q.device) if out is None else out
     if n_q and indices.shape[1]:
+        lse_arg = attn_lse if attn_lse is not None else p  # unused pointer when LSE_GIVEN is False
         _head_prob_kernel[(n_q,)](
-            q, kv, indices, p, q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), p.stride(0),
-            h, kv.shape[0], indices.shape[1], float(softmax_scale) * 1.4426950408889634,
-            DV=d_v, DR=d_rope, BLOCK_H=_block_h(h), BLOCK_N=cfg["BLOCK_N"], IEEE=q.dtype == torch.float32,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            q, kv, indices, lse_arg, p,
+            q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), lse_arg.stride(0), p.stride(0),
+            h, kv.shape[0], indices.shape[1], float(softmax_scale) * LOG2E,
+            DV=d_v, DR=d_rope, BLOCK_H=_block_h(h), BLOCK_N=cfg["BLOCK_N"], LSE_GIVEN=attn_lse is not None,
+            IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return p
 
 
+@triton.jit
+def _index_logits_block(IDX_ROW, KI, stride_kit, slot, topk, n_keys, offs_d, qi, w, scale,
+                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Selected index keys in slots ``slot`` of one query: positions, validity, rows k [BLOCK_N, DI], the scaled
+    per-head dots a [BLOCK_H, BLOCK_N] and the logits z = sum_h w_h relu(a_h) [BLOCK_N] (-inf on invalid slots)."""
+    idx = tl.load(IDX_ROW + slot, mask=slot < topk, other=-1).to(tl.int64)
+    ok = (idx >= 0) & (idx < n_keys)
+    k = tl.load(KI + tl.where(ok, idx, 0)[:, None] * stride_kit + offs_d[None, :], mask=ok[:, None], other=0.0)
+    a = _mma(qi, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE) * scale
+    z = tl.sum(w[:, None] * tl.maximum(a, 0.0), axis=0)
+    z = tl.where(ok, z, float("-inf"))
+    return idx, ok, k, a, z
+
+
+@triton.jit
+def _indexer_kl_kernel(
+    QI, KI, W, IDX, P, CNT, KL, DQI, DW, DKI, BUF,
+    stride_qit, stride_qih, stride_kit, stride_wt, stride_it, stride_pt,
+    t0, n_heads, n_keys, topk, scale,
+    DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NEED_GRAD: tl.constexpr, ATOMIC: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    tl_ = tl.program_id(0).to(tl.int64)  # row inside this launch's query range
+    t = t0 + tl_
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, DI)
+    offs_n = tl.arange(0, BLOCK_N)
+    h_ok = offs_h < n_heads
+    qi = tl.load(QI + t * stride_qit + offs_h[:, None] * stride_qih + offs_d[None, :], mask=h_ok[:, None], other=0.0)
+    w = tl.load(W + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    counted = tl.load(CNT + t) != 0
+    idx_row = IDX + t * stride_it
+    p_row = P + t * stride_pt
+
+    # pass 1: log-sum-exp of the indexer logits, and the target's normaliser
+    m_i = float("-inf")
+    l_i = 0.0
+    total = 0.0
+    for n0 in range(0, topk, BLOCK_N):
+        slot = n0 + offs_n
+        idx, ok, k, a, z = _index_logits_block(idx_row, KI, stride_kit, slot, topk, n_keys, offs_d, qi, w, scale,
+                                               BLOCK_H, BLOCK_N, IEEE)
+        m_new = tl.maximum(m_i, tl.max(z, axis=0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(z - m_use), axis=0)
+        m_i = m_new
+        total += tl.sum(tl.load(p_row + slot, mask=slot < topk, other=0.0), axis=0)  # as the reference: all slots
+    lse_z = m_i + tl.log(tl.where(l_i > 0, l_i, 1.0))
+    total = tl.where(total > 0, total, 1.0)
+
+    # pass 2: KL and gradients
+    kl = 0.0
+    dqi = tl.zeros([BLOCK_H, DI], tl.float32)
+    dw = tl.zeros([BLOCK_H], tl.float32)
+    for n0 in range(0, topk, BLOCK_N):
+        slot = n0 + offs_n
+        idx, ok, k, a, z = _index_logits_block(idx_row, KI, stride_kit, slot, topk, n_keys, offs_d, qi, w, scale,
+                                               BLOCK_H, BLOCK_N, IEEE)
+        allowed = ok & counted
+        tgt = tl.where(allowed, tl.load(p_row + slot, mask=slot < topk, other=0.0) / total, 0.0)
+        log_ind = tl.where(allowed, z - lse_z, 0.0)
+        pos = tgt > 0
+        kl += tl.sum(tl.where(pos, tgt * (tl.log(tl.where(pos, tgt, 1.0)) - log_ind), 0.0), axis=0)
+        if NEED_GRAD:
+            g = tl.where(allowed, tl.exp(log_ind) - tgt, 0.0)
+            dw += tl.sum(g[None, :] * tl.maximum(a, 0.0), axis=1)
+            da = tl.where(a > 0, g[None, :] * w[:, None] * scale, 0.0).to(k.dtype)
+            dqi = _mma(da, k, dqi, IEEE)
+            dk = _mma(tl.trans(da), qi, tl.zeros([BLOCK_N, DI], tl.float32), IEEE)
+            if ATOMIC:
+                tl.atomic_add(DKI + tl.where(ok, idx, 0)[:, None] * DI + offs_d[None, :], dk, mask=ok[:, None],
+                              sem="relaxed")
+            else:
+                brow = BUF + (tl_ * topk + slot)[:, None] * DI + offs_d[None, :]
+                tl.store(brow, dk, mask=(slot < topk)[:, None])
+    tl.store(KL + t, kl)
+    if NEED_GRAD:
+        tl.store(DQI + t * n_heads * DI + offs_h[:, None] * DI + offs_d[None, :], dqi, mask=h_ok[:, None])
+        tl.store(DW + t * n_heads + offs_h, dw, mask=h_ok)
+
+
+def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, need_grad, deterministic, config):
+    """(per-token KL [T] fp32, d_q_idx, d_k_idx, d_w fp32 or None)."""
+    q_idx, k_idx, indices = q_idx.detach().contiguous(), k_idx.detach().contiguous(), indices.contiguous()
+    weights = weights.detach().contiguous()
+    n_q, n_heads, d_i = q_idx.shape
+    n_keys, topk = k_idx.shape[0], indices.shape[1]
+    dev = q_idx.device
+    kl = torch.zeros(n_q, dtype=torch.float32, device=dev)
+    d_qi = torch.zeros(n_q, n_heads, d_i, dtype=torch.float32, device=dev) if need_grad else None
+    d_w = torch.zeros(n_q, n_heads, dtype=torch.float32, device=dev) if need_grad else None
+    d_ki = torch.zeros(n_keys, d_i, dtype=torch.float32, device=dev) if need_grad else None
+    if n_q == 0 or topk == 0:
+        return kl, d_qi, d_ki, d_w
+    det = need_grad and deterministic
+    rows = max(1, min(n_q, DET_BUFFER_BYTES // max(1, topk * d_i * 4))) if det else n_q
+    buf = torch.empty(rows * topk, d_i, dtype=torch.float32, device=dev) if det else kl
+    cnt = counted.to(torch.int8).contiguous()
+    dummy = kl
+    configs = [dict(KL_CONFIG, **(config or {}))] + ([KL_FALLBACK] if config is None else [])
+    while True:
+        cfg = configs.pop(0)
+        try:
+            for t0 in range(0, n_q, rows):
+                n = min(rows, n_q - t0)
+                _indexer_kl_kernel[(n,)](
+                    q_idx, k_idx, weights, indices, head_sums, cnt, kl,
+                    d_qi if need_grad else dummy, d_w if need_grad else dummy, d_ki if need_grad else dummy, buf,
+                    q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), indices.stride(0),
+                    head_sums.stride(0), t0, n_heads, n_keys, topk, float(idx_scale),
+                    DI=d_i, BLOCK_H=_block_h(n_heads), BLOCK_N=cfg["BLOCK_N"], NEED_GRAD=need_grad, ATOMIC=not det,
+                    IEEE=q_idx.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                )
+                if det:
+                    _segment_reduce_into(d_ki, buf, indices[t0:t0 + n], 1)
+            return kl, d_qi, d_ki, d_w
+        except OutOfResources:
+            if not configs:
+                raise
+            if need_grad:
+                d_ki.zero_()
+
+
 def indexer_kl_loss_sparse(q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, indices, d_v,
-                           token_mask=None, head_sum_reduce=None, chunk_size=None):
-    """Same contract as ``reference.indexer_kl_loss`` with indices given; d_v is the latent (value) width."""
+                           token_mask=None, head_sum_reduce=None, attn_lse=None, deterministic=None, config=None):
+    """Same contract as ``reference.indexer_kl_loss`` with indices given (d_v is the latent / value width), plus
+    attn_lse: the sparse forward's log-sum-exp [T, h] for these q, kv, indices and scale (saves a pass).
+    deterministic: bitwise reproducible d_k_idx (default: GLM5_TRITON_DETERMINISTIC)."""
     n_q = q.shape[0]
     n_k = kv.shape[0]
     idx_heads, idx_dim = q_idx.shape[1], q_idx.shape[2]
     if k_idx.shape[0] != n_k or q_idx.shape[0] != n_q or weights.shape != (n_q, idx_heads):
         raise ValueError("inconsistent shapes between q_idx/k_idx/weights and q/kv")
+    if idx_dim & (idx_dim - 1):
+        raise ValueError(f"triton indexer KL needs a power-of-two index head dim (got {idx_dim}); use --attn torch")
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_idx, k_idx, weights))
-    cdt = torch.float32
-    width = indices.shape[1]
+    det = deterministic_default() if deterministic is None else bool(deterministic)
     has_keys = (indices >= 0).any(dim=-1)
-    counted, counted_host, n_tokens, kl_sum, d_qi, d_ki, d_w = reference.kl_accumulators(
-        q_idx, k_idx, weights, has_keys, token_mask, need_grad, cdt)
-    chunk = reference.DEFAULT_CHUNK if chunk_size is None else int(chunk_size)
-    plan = reference._sparse_plan(n_q, width, chunk, idx_heads + idx_dim + 4)
-
+    counted, _, n_tokens, _, _, _, _ = reference.kl_accumulators(q_idx, k_idx, weights, has_keys, token_mask, False,
+                                                                torch.float32)
     with torch.no_grad():
-        head_sum_all = head_summed_probs(q.detach(), kv.detach(), indices, attn_softmax_scale, d_v)
-        for c0, c1, lo, hi in plan:
-            if head_sum_reduce is None and not bool(counted_host[c0:c1].any()):
-                continue  # with a reduce hook every rank must call it for every chunk
-            keys = reference._KeySet(c0, c1, lo, hi, indices, None, None)
-            allowed = keys.mask & counted[c0:c1].unsqueeze(-1)
-            head_sum = head_sum_all[c0:c1]
-            if head_sum_reduce is not None:
-                head_sum = head_sum_reduce(head_sum)
-            total = head_sum.sum(dim=-1, keepdim=True)
-            target = (head_sum / torch.where(total > 0, total, torch.ones_like(total))).masked_fill(~allowed, 0.0)
-
-            qi = q_idx[c0:c1].to(cdt)
-            kic = keys.take(k_idx, cdt)
-            w = weights[c0:c1].to(cdt)
-            a, z = reference._index_logits(qi, kic, w, idx_softmax_scale)
-            log_ind = torch.log_softmax(z.masked_fill(~keys.mask, float("-inf")), dim=-1).masked_fill(~allowed, 0.0)
-            pos = target > 0
-            safe_t = torch.where(pos, target, torch.ones_like(target))
-            kl_sum += torch.where(pos, target * (torch.log(safe_t) - log_ind), torch.zeros_like(target)).sum()
-            if need_grad:
-                g = torch.where(allowed, torch.exp(log_ind) - target, torch.zeros_like(target))
-                d_w[c0:c1] = (torch.relu(a) @ g.unsqueeze(-1)).squeeze(-1)
-                da = (g.unsqueeze(1) * w.unsqueeze(-1)) * (a > 0) * idx_softmax_scale
-                del a
-                d_qi[c0:c1] = da @ kic
-                keys.add_into(d_ki, keys.outer(da, qi))
-
+        head_sums = head_summed_probs(q.detach(), kv.detach(), indices, attn_softmax_scale, d_v, attn_lse=attn_lse)
+        if head_sum_reduce is not None:
+            head_sums = head_sum_reduce(head_sums).contiguous()
+        kl_tok, d_qi, d_ki, d_w = _indexer_kl(q_idx, k_idx, weights, idx_softmax_scale, indices, head_sums, counted,
+                                              need_grad, det, config)
+        kl_sum = kl_tok.sum()
     if need_grad:
         kl_sum = reference._IndexerKLFunction.apply(
             q_idx, k_idx, weights, kl_sum,

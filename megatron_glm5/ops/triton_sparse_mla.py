@@ -19,9 +19,8 @@ contributions of different queries into dkv:
 Choose with ``deterministic=`` or the env var GLM5_TRITON_DETERMINISTIC (1 / 0).  Default: atomic -- on the H200
 the deterministic reduction made the backward 1.7x slower (docs/performance.md, "Kernels").
 
-Two backward kernels: "n" (scores as [heads, keys], heads split into H_SPLIT groups so that the tiles fit in
-shared memory; measured, the default) and "t" (transposed formulation, see ``_bwd_kernel_t``; checked in the
-interpreter, not yet measured on the GPU).  ``BWD_CONFIG["KERNEL"]`` selects.
+A transposed formulation (scores as [keys, heads], Q and dO only ever B operands) was tried and measured slower on
+the H200 (69-70 vs 98 TFLOP/s at S 8192, and its 32-key tiles did not fit in shared memory): removed.
 
 Dense mode (indices None) is not a Triton kernel: the backend falls back to the reference for it.
 """
@@ -44,10 +43,10 @@ LOG2E = 1.4426950408889634
 
 # tuned on the H200 (see docs/performance.md, "Kernels"); overridable per call for the benchmark sweep
 FWD_CONFIG = dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2)
-BWD_CONFIG = dict(KERNEL="n", BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2)
+BWD_CONFIG = dict(BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2)
 # tried in order when a configuration needs more shared memory than the GPU has
-BWD_FALLBACKS = (dict(KERNEL="n", BLOCK_N=32, H_SPLIT=4, num_warps=4, num_stages=1),
-                 dict(KERNEL="n", BLOCK_N=16, H_SPLIT=4, num_warps=4, num_stages=1))
+BWD_FALLBACKS = (dict(BLOCK_N=32, H_SPLIT=4, num_warps=4, num_stages=1),
+                 dict(BLOCK_N=16, H_SPLIT=4, num_warps=4, num_stages=1))
 # bytes of fp32 per-(query, slot) dkv contributions held at once in deterministic mode
 DET_BUFFER_BYTES = 2 << 30
 
@@ -258,87 +257,6 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _emit(DKV, BUF, idx, ok, brow, s_ok, col0, val, WIDTH: tl.constexpr, D: tl.constexpr, ATOMIC: tl.constexpr):
-    """Adds val [BLOCK_N, WIDTH] into dkv rows idx (atomic) or writes it to buffer rows brow (deterministic)."""
-    cols = col0 + tl.arange(0, WIDTH)
-    if ATOMIC:
-        tl.atomic_add(DKV + tl.where(ok, idx, 0)[:, None] * D + cols[None, :], val, mask=ok[:, None], sem="relaxed")
-    else:
-        tl.store(BUF + brow[:, None] * D + cols[None, :], val, mask=s_ok[:, None])
-
-
-@triton.jit
-def _bwd_kernel_t(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, BUF,
-    stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt,
-    t0, n_heads, n_keys, topk, scale,
-    DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, H_SPLIT: tl.constexpr,
-    ATOMIC: tl.constexpr, IEEE: tl.constexpr,
-):
-    """Backward in the transposed formulation: scores as [keys, heads] (S^T = K Q^T), so that Q and dO are only
-    ever B operands (one shared-memory copy each, with H_SPLIT = 1 all 64 heads fit), dS^T and P^T feed dK / dV
-    directly, and the 512 latent columns are handled as two halves (smaller live accumulators)."""
-    tl_ = tl.program_id(0).to(tl.int64)
-    hg = tl.program_id(1)
-    t = t0 + tl_
-    D: tl.constexpr = DV + DR
-    DH: tl.constexpr = DV // 2
-    offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_a = tl.arange(0, DH)
-    offs_r = tl.arange(0, DR)
-    offs_n = tl.arange(0, BLOCK_N)
-    h_ok = offs_h < n_heads
-    q_base = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    q0 = tl.load(q_base + offs_a[None, :], mask=h_ok[:, None], other=0.0)
-    q1 = tl.load(q_base + DH + offs_a[None, :], mask=h_ok[:, None], other=0.0)
-    qr = tl.load(q_base + DV + offs_r[None, :], mask=h_ok[:, None], other=0.0)
-    do_base = DO + t * stride_dot + offs_h[:, None] * stride_doh
-    do0 = tl.load(do_base + offs_a[None, :], mask=h_ok[:, None], other=0.0)
-    do1 = tl.load(do_base + DH + offs_a[None, :], mask=h_ok[:, None], other=0.0)
-    lse = tl.load(LSE + t * stride_lt + offs_h, mask=h_ok, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    delta = tl.load(DELTA + t * stride_lt + offs_h, mask=h_ok, other=0.0)
-
-    dq0 = tl.zeros([BLOCK_H, DH], tl.float32)
-    dq1 = tl.zeros([BLOCK_H, DH], tl.float32)
-    dqr = tl.zeros([BLOCK_H, DR], tl.float32)
-    for n0 in range(0, topk, BLOCK_N):
-        slot = n0 + offs_n
-        s_ok = slot < topk
-        idx = tl.load(IDX + t * stride_it + slot, mask=s_ok, other=-1).to(tl.int64)
-        ok = (idx >= 0) & (idx < n_keys)
-        rows = KV + tl.where(ok, idx, 0) * stride_kvt
-        k0 = tl.load(rows[:, None] + offs_a[None, :], mask=ok[:, None], other=0.0)
-        k1 = tl.load(rows[:, None] + DH + offs_a[None, :], mask=ok[:, None], other=0.0)
-        kr = tl.load(rows[:, None] + DV + offs_r[None, :], mask=ok[:, None], other=0.0)
-        st = _mma(k0, tl.trans(q0), tl.zeros([BLOCK_N, BLOCK_H], tl.float32), IEEE)
-        st = _mma(k1, tl.trans(q1), st, IEEE)
-        st = _mma(kr, tl.trans(qr), st, IEEE)
-        pt = tl.exp2(st * (scale * 1.4426950408889634) - lse[None, :])
-        pt = tl.where(ok[:, None], pt, 0.0)
-        dpt = _mma(k0, tl.trans(do0), tl.zeros([BLOCK_N, BLOCK_H], tl.float32), IEEE)
-        dpt = _mma(k1, tl.trans(do1), dpt, IEEE)
-        dst = (pt * (dpt - delta[None, :]) * scale).to(k0.dtype)
-        pt = pt.to(k0.dtype)
-        ds = tl.trans(dst)
-        dq0 = _mma(ds, k0, dq0, IEEE)
-        dq1 = _mma(ds, k1, dq1, IEEE)
-        dqr = _mma(ds, kr, dqr, IEEE)
-        brow = (tl_ * H_SPLIT + hg) * topk + slot
-        dk = _mma(pt, do0, _mma(dst, q0, tl.zeros([BLOCK_N, DH], tl.float32), IEEE), IEEE)
-        _emit(DKV, BUF, idx, ok, brow, s_ok, 0, dk, DH, D, ATOMIC)
-        dk = _mma(pt, do1, _mma(dst, q1, tl.zeros([BLOCK_N, DH], tl.float32), IEEE), IEEE)
-        _emit(DKV, BUF, idx, ok, brow, s_ok, DH, dk, DH, D, ATOMIC)
-        dk = _mma(dst, qr, tl.zeros([BLOCK_N, DR], tl.float32), IEEE)
-        _emit(DKV, BUF, idx, ok, brow, s_ok, DV, dk, DR, D, ATOMIC)
-
-    dq_base = DQ + t * stride_qt + offs_h[:, None] * stride_qh
-    tl.store(dq_base + offs_a[None, :], dq0.to(DQ.dtype.element_ty), mask=h_ok[:, None])
-    tl.store(dq_base + DH + offs_a[None, :], dq1.to(DQ.dtype.element_ty), mask=h_ok[:, None])
-    tl.store(dq_base + DV + offs_r[None, :], dqr.to(DQ.dtype.element_ty), mask=h_ok[:, None])
-
-
-@triton.jit
 def _segment_sum_kernel(BUF, PERM, SEG_START, SEG_LEN, SEG_KEY, DKV, n_keys, D,
                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """dkv[key of segment] += sum of the segment's buffer rows, in sorted order (deterministic)."""
@@ -406,8 +324,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         try:
             for t0 in range(0, n_q, rows):
                 n = min(rows, n_q - t0)
-                kernel = _bwd_kernel_t if cfg.get("KERNEL", "n") == "t" else _bwd_kernel
-                kernel[(n, h_split)](
+                _bwd_kernel[(n, h_split)](
                     q, kv, indices, d_out, lse, delta, dq, dkv, buf,
                     q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), d_out.stride(0), d_out.stride(1),
                     lse.stride(0), t0, h, n_keys, topk, float(softmax_scale),
