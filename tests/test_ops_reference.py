@@ -467,3 +467,16 @@ def test_get_backend_no_cuda_and_not_shipped(monkeypatch):
         pending.sparse_mla(None, None, None, 1.0, 1)
     # auto never picks a backend without kernels
     assert backends.get_backend("auto").name in ("triton", "torch")  # triton has kernels when installed
+
+
+def test_windows_host_copy_is_reused_only_for_the_same_unmodified_tensors():
+    """reference.windows: one device->host copy per step (every layer passes the same key_start / query_end)."""
+    ks, qe = torch.tensor([0, 0, 1]), torch.tensor([0, 1, 2])
+    first = reference.windows(ks, qe, 3, 3)
+    assert reference.windows(ks, qe, 3, 3) is first
+    qe[2] = 1  # modified in place: recomputed
+    second = reference.windows(ks, qe, 3, 3)
+    assert second is not first and second.n_valid.tolist() == [1, 2, 1]
+    assert reference.windows(ks.clone(), qe, 3, 3) is not second  # equal values, another tensor: recomputed
+    with pytest.raises(ValueError, match="inside the 1 key rows"):  # the checks still run on a new key count
+        reference.windows(ks, qe, 3, 1)

@@ -146,7 +146,8 @@ class GLM5SparseAttention(MegatronModule):
                 q_idx, k_idx, w_idx, self.indexer.softmax_scale, q.detach(), kv.detach(), self.softmax_scale,
                 inputs.key_start, inputs.query_end, indices=indices, head_sum_reduce=self._head_sum_reduce(),
                 chunk_size=cfg.dsa_chunk_size, attn_lse=None if indices is None else lse.detach())
-            kl = kl_sum / max(n_tokens, 1)
+            # n_tokens: an int, or a device tensor (the Triton backend avoids a host-GPU synchronisation)
+            kl = kl_sum / (n_tokens.clamp_min(1) if torch.is_tensor(n_tokens) else max(n_tokens, 1))
             self.last_indexer_loss = kl.detach()
             self.kl_log[0] = self.kl_log[0] + self.last_indexer_loss  # stays on device: no sync per forward
             self.kl_log[1] += 1

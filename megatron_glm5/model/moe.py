@@ -142,8 +142,12 @@ class GLM5GroupedExperts(MegatronModule):
             tensor_parallel.set_tensor_model_parallel_attributes(w, is_parallel=self.etp > 1, dim=dim, stride=1)
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
-        counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
-        offsets = torch.tensor(counts, device=permuted_hidden.device).cumsum(0).to(torch.int32)
+        if torch.is_tensor(tokens_per_expert):  # offsets stay on the device: no host-GPU synchronisation
+            counts = None
+            offsets = tokens_per_expert.to(permuted_hidden.device).cumsum(0).to(torch.int32)
+        else:
+            counts = list(tokens_per_expert)
+            offsets = torch.tensor(counts, device=permuted_hidden.device).cumsum(0).to(torch.int32)
         w1 = self.weight1.view(self.num_local_experts, 2 * self.ffn_local, -1)
         h = grouped_linear(permuted_hidden, w1, offsets, counts)
         gate, up = h.split(self.ffn_local, dim=-1)

@@ -57,7 +57,8 @@ class AttentionBackend:
         self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
         indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
     ):
-        """attn_lse: optionally, sparse_mla's lse for the same q, kv, indices, scale (a backend may reuse it)."""
+        """(kl_sum, n_tokens) as ``reference.indexer_kl_loss``; n_tokens is an int or a 0-dim device tensor.
+        attn_lse: optionally, sparse_mla's lse for the same q, kv, indices, scale (a backend may reuse it)."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -248,7 +249,7 @@ BACKENDS: Dict[str, AttentionBackend] = {
 }
 
 #: order in which "auto" tries backends (fastest first); only implemented, available ones are chosen
-AUTO_PREFERENCE = ("flashmla", "cudnn", "tilelang", "triton", "torch")
+AUTO_PREFERENCE = ("flashmla", "triton", "cudnn", "tilelang", "torch")  # cudnn: not yet verified on a GPU
 
 _ALIASES = {"flash_mla": "flashmla", "flash-mla": "flashmla", "reference": "torch"}
 _logged: Set[str] = set()

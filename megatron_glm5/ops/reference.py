@@ -24,6 +24,7 @@ The last section holds the naive full-matrix oracles used by the tests.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -82,12 +83,39 @@ class _Windows:
             if int(ks[nonempty].min()) < 0 or int(qe[nonempty].max()) >= n_keys:
                 raise ValueError(f"key windows [key_start, query_end] must lie inside the {n_keys} key rows")
         self.n_valid = torch.where(nonempty, qe - ks + 1, torch.zeros_like(ks))
+        self._on_device = {}
         # empty rows must not widen a chunk's key range
         self._lo = torch.where(nonempty, ks, torch.full_like(ks, n_keys))
         self._hi = torch.where(nonempty, qe, torch.full_like(qe, -1))
 
     def span(self, c0: int, c1: int) -> Tuple[int, int]:
         return int(self._lo[c0:c1].min()), int(self._hi[c0:c1].max())
+
+    def n_valid_on(self, device) -> Tensor:
+        """n_valid on ``device`` (copied once per device)."""
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = self.n_valid.to(device)
+        return self._on_device[key]
+
+
+_last_windows: Optional[tuple] = None
+
+
+def windows(key_start: Tensor, query_end: Tensor, n_queries: int, n_keys: int) -> _Windows:
+    """``_Windows`` of these tensors, reused while the same (unmodified) tensors come back: every DSA layer of a
+    forward passes the step's one key_start / query_end, so the device -> host copy (a host-GPU synchronisation)
+    happens once per step instead of once per layer and op."""
+    global _last_windows
+    versions = (getattr(key_start, "_version", None), getattr(query_end, "_version", None), n_queries, n_keys)
+    if _last_windows is not None:
+        ks_ref, qe_ref, seen, win = _last_windows
+        if ks_ref() is key_start and qe_ref() is query_end and seen == versions:
+            return win
+    win = _Windows(key_start, query_end, n_queries, n_keys)
+    if isinstance(key_start, Tensor) and isinstance(query_end, Tensor):
+        _last_windows = (weakref.ref(key_start), weakref.ref(query_end), versions, win)
+    return win
 
 
 def _dense_plan(win: _Windows, n_queries: int, chunk: int, per_key: int) -> List[Tuple[int, int, int, int]]:
@@ -169,7 +197,7 @@ def _plan_for(n_queries, n_keys, indices, key_start, query_end, chunk_size, per_
     if indices is not None:
         _check_indices(indices, n_queries, n_keys)
         return _sparse_plan(n_queries, indices.shape[1], chunk_size, per_key)
-    win = _Windows(key_start, query_end, n_queries, n_keys)
+    win = windows(key_start, query_end, n_queries, n_keys)
     return _dense_plan(win, n_queries, chunk_size, per_key)
 
 
@@ -240,7 +268,7 @@ def indexer_topk(
     if n_q == 0 or topk <= 0:
         return out
     cdt = _compute_dtype(q_idx, k_idx, weights)
-    win = _Windows(key_start, query_end, n_q, n_k)
+    win = windows(key_start, query_end, n_q, n_k)
     n_valid = win.n_valid.to(q_idx.device)
     for c0, c1, lo, hi in _dense_plan(win, n_q, chunk_size, n_heads + 2):
         keys = _KeySet(c0, c1, lo, hi, None, key_start, query_end)
@@ -387,11 +415,18 @@ class _IndexerKLFunction(torch.autograd.Function):
         )
 
 
+def counted_queries(has_keys: Tensor, token_mask: Optional[Tensor]) -> Tensor:
+    """[T] bool: the queries the indexer KL loss counts (they have keys and are not masked out)."""
+    if token_mask is None:
+        return has_keys
+    return has_keys & token_mask.to(has_keys.device, torch.bool).reshape(-1)
+
+
 def kl_accumulators(q_idx, k_idx, weights, has_keys, token_mask, need_grad: bool, cdt):
     """Shared set-up of the chunked indexer KL loss: which queries count (have keys and are not masked), on the
     device and on the host, their number, and zero accumulators for the loss and, when needed, the indexer gradients."""
     dev = q_idx.device
-    counted = has_keys if token_mask is None else has_keys & token_mask.to(dev, torch.bool).reshape(-1)
+    counted = counted_queries(has_keys, token_mask)
     counted_host = counted.cpu()
     zeros = lambda t: torch.zeros(t.shape, dtype=cdt, device=dev) if need_grad else None
     return (counted, counted_host, int(counted_host.sum()), torch.zeros((), dtype=cdt, device=dev),
@@ -440,7 +475,7 @@ def indexer_kl_loss(
         key_start = query_end = None
         has_keys = (indices >= 0).any(dim=-1)
     else:
-        win = _Windows(key_start, query_end, n_q, n_k)
+        win = windows(key_start, query_end, n_q, n_k)
         plan = _dense_plan(win, n_q, chunk, max(n_heads, idx_heads) + 2)
         has_keys = (win.n_valid > 0).to(dev)
     counted, counted_host, n_tokens, kl_sum, d_qi, d_ki, d_w = kl_accumulators(

@@ -3,7 +3,7 @@
 score[t, j] = sum_h w[t, h] * relu(softmax_scale * q_idx[t, h] . k_idx[j]) over the window
 key_start[t] <= j <= query_end[t] (fp32 accumulation of the bf16 products).
 
-Queries are processed in chunks (``reference._Windows`` gives each chunk's key range [lo, hi]); the [T, Tk] score
+Queries are processed in chunks (``reference.windows`` gives each chunk's key range [lo, hi]); the [T, Tk] score
 matrix is never built: a chunk holds [rows, hi - lo + 1] int64 keys, rows bounded so that this buffer stays under
 ``BUFFER_BYTES``.  The Triton kernel writes, for every (query, key) of the chunk, one int64 that orders like
 (score descending, position ascending): the fp32 score's bits mapped to an order-preserving int32 in the high half,
@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import triton_interpret_compat
-from .reference import _Windows
+from .reference import windows
 
 triton_interpret_compat.apply()
 
@@ -83,8 +83,8 @@ def indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scal
     if n_q == 0 or topk <= 0:
         return out
     cfg = dict(CONFIG, **(config or {}))
-    win = _Windows(key_start, query_end, n_q, n_k)
-    n_valid = win.n_valid.to(q_idx.device)
+    win = windows(key_start, query_end, n_q, n_k)
+    n_valid = win.n_valid_on(q_idx.device)
     q_idx, k_idx, weights = q_idx.contiguous(), k_idx.contiguous(), weights.contiguous()
     ks = key_start.to(device=q_idx.device, dtype=torch.int64).contiguous()
     qe = query_end.to(device=q_idx.device, dtype=torch.int64).contiguous()

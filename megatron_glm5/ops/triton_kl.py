@@ -238,6 +238,7 @@ def indexer_kl_loss_sparse(q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn
                            token_mask=None, head_sum_reduce=None, attn_lse=None, deterministic=None, config=None):
     """Same contract as ``reference.indexer_kl_loss`` with indices given (d_v is the latent / value width), plus
     attn_lse: the sparse forward's log-sum-exp [T, h] for these q, kv, indices and scale (saves a pass).
+    n_tokens is returned as a 0-dim device tensor (not an int), so that no layer waits for the GPU.
     deterministic: bitwise reproducible d_k_idx (default: GLM5_TRITON_DETERMINISTIC)."""
     n_q = q.shape[0]
     n_k = kv.shape[0]
@@ -248,9 +249,8 @@ def indexer_kl_loss_sparse(q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn
         raise ValueError(f"triton indexer KL needs a power-of-two index head dim (got {idx_dim}); use --attn torch")
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_idx, k_idx, weights))
     det = deterministic_default() if deterministic is None else bool(deterministic)
-    has_keys = (indices >= 0).any(dim=-1)
-    counted, _, n_tokens, _, _, _, _ = reference.kl_accumulators(q_idx, k_idx, weights, has_keys, token_mask, False,
-                                                                torch.float32)
+    counted = reference.counted_queries((indices >= 0).any(dim=-1), token_mask)
+    n_tokens = counted.sum()  # stays on the device: no host-GPU synchronisation per layer
     with torch.no_grad():
         head_sums = head_summed_probs(q.detach(), kv.detach(), indices, attn_softmax_scale, d_v, attn_lse=attn_lse)
         if head_sum_reduce is not None:
