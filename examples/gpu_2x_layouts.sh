@@ -5,7 +5,8 @@
 # rounded differently by bf16), so layout differences can be compared with pure bf16 rounding differences.
 # Model: MODEL="--hf-config examples/proxy2/config.json" (default: GLM-5.3 width, 2 layers = 1 dense + 1 MoE with
 # 16 experts, no MTP) or e.g. MODEL="--preset tiny" SEQ=512. LR (default 1e-5, warm-up 5 steps) is small enough that
-# random initialisation trains without loss spikes.
+# random initialisation trains without loss spikes.  LAYOUTS: "name:gpus:flags" items, the flags comma-separated
+# (e.g. "pp2vpp2:2:--pp=2,--vpp=2"); RUN_TIMEOUT=SECONDS bounds each run; compare with `python tools/compare_runs.py $OUT/1gpu $OUT/<layout> ...`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT_DIR:-runs/layouts}
@@ -16,7 +17,7 @@ COMMON=("${MODEL_ARGS[@]}" --bf16 --seq-length "${SEQ:-4096}" --global-batch-siz
 python pretrain_glm5.py "${COMMON[@]}" --micro-batch-size 1 --train-iters 1 --lr 0 --min-lr 0 --lr-warmup-iters 0 \
   --save "$OUT/init"
 for layout in ${LAYOUTS:-"1gpu:1:" "1gpu-mb2:1:--micro-batch-size=2" "tp2:2:--tp=2" "ep2:2:--ep=2" "pp2:2:--pp=2"}; do
-  name=${layout%%:*}; rest=${layout#*:}; n=${rest%%:*}; flags=${rest#*:}
-  torchrun --nproc-per-node "$n" pretrain_glm5.py "${COMMON[@]}" --micro-batch-size 1 $flags \
+  name=${layout%%:*}; rest=${layout#*:}; n=${rest%%:*}; flags=${rest#*:}; flags=${flags//,/ }
+  ${RUN_TIMEOUT:+timeout "$RUN_TIMEOUT"} torchrun --nproc-per-node "$n" pretrain_glm5.py "${COMMON[@]}" --micro-batch-size 1 $flags \
     --train-iters "${ITERS:-20}" --load "$OUT/init" --finetune --no-save --tensorboard-dir "$OUT/$name/tensorboard"
 done
