@@ -19,5 +19,6 @@ python pretrain_glm5.py "${COMMON[@]}" --micro-batch-size 1 --train-iters 1 --lr
 for layout in ${LAYOUTS:-"1gpu:1:" "1gpu-mb2:1:--micro-batch-size=2" "tp2:2:--tp=2" "ep2:2:--ep=2" "pp2:2:--pp=2"}; do
   name=${layout%%:*}; rest=${layout#*:}; n=${rest%%:*}; flags=${rest#*:}; flags=${flags//,/ }
   ${RUN_TIMEOUT:+timeout "$RUN_TIMEOUT"} torchrun --nproc-per-node "$n" pretrain_glm5.py "${COMMON[@]}" --micro-batch-size 1 $flags \
-    --train-iters "${ITERS:-20}" --load "$OUT/init" --finetune --no-save --tensorboard-dir "$OUT/$name/tensorboard"
+    --train-iters "${ITERS:-20}" --load "$OUT/init" --finetune --no-save --tensorboard-dir "$OUT/$name/tensorboard" \
+    || echo "layout $name FAILED (exit $?); going on with the next" >&2
 done
