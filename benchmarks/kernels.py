@@ -182,6 +182,20 @@ def bench(seq, reps, with_reference, log):
         add("sparse_mla fwd (FlashMLA flash_mla_sparse_fwd)", timed(
             lambda: flashmla_backend.flash_mla_sparse_forward(p.q, p.kv, p.indices, p.scale, DV), p.refill, reps),
             p.fwd_flop)
+    from megatron_glm5.ops import cudnn_backend
+
+    try:  # peer kernels, when the cuDNN frontend's DSA imports here
+        cudnn_backend.import_dsa()
+        has_cudnn = True
+    except Exception as e:
+        has_cudnn = False
+        log(f"(cuDNN DSA not timed: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__})")
+    if has_cudnn:
+        add("sparse_mla bwd (cuDNN DSA)", timed(
+            lambda: cudnn_backend.cudnn_sparse_backward(p.q, p.kv, p.indices, out, lse, p.d_out, p.scale),
+            p.refill, reps), 2.5 * p.fwd_flop)
+        add("indexer_topk (cuDNN DSA)", timed(lambda: cudnn_backend.CudnnBackend().indexer_topk(
+            p.qi, p.ki, p.w, TOPK, p.key_start, p.query_end, DI ** -0.5), p.refill, max(5, reps // 4)))
     if with_reference:
         add("sparse_mla fwd (torch reference)", timed(
             lambda: reference.sparse_mla(p.q, p.kv, p.indices, p.scale, DV), p.refill, max(3, reps // 8)),
