@@ -237,7 +237,7 @@ def test_installed_packages_need_cuda_then_are_chosen(monkeypatch, fakes):
     monkeypatch.setattr(backends, "_cuda_available", lambda: True)
     assert backends.get_backend("cudnn") is backends.BACKENDS["cudnn"]
     assert backends.get_backend("flash_mla") is backends.BACKENDS["flashmla"]
-    assert backends.get_backend("auto").name == "flashmla"  # AUTO_PREFERENCE order, both available
+    assert backends.get_backend("auto").name == "cudnn"  # AUTO_PREFERENCE order (fastest first), both available
 
 
 def test_unsupported_shapes_use_the_triton_backend(monkeypatch, fakes, caplog):

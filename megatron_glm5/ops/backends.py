@@ -249,7 +249,9 @@ BACKENDS: Dict[str, AttentionBackend] = {
 }
 
 #: order in which "auto" tries backends (fastest first); only implemented, available ones are chosen
-AUTO_PREFERENCE = ("flashmla", "triton", "cudnn", "tilelang", "torch")  # cudnn: not yet verified on a GPU
+# fastest first (measured on the H200, docs/performance.md): cudnn (cuDNN backward, FlashMLA forward when
+# installed), flashmla (FlashMLA forward, Triton backward), triton
+AUTO_PREFERENCE = ("cudnn", "flashmla", "triton", "tilelang", "torch")
 
 _ALIASES = {"flash_mla": "flashmla", "flash-mla": "flashmla", "reference": "torch"}
 _logged: Set[str] = set()
