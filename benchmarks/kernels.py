@@ -24,6 +24,9 @@ import time
 import torch
 
 H, DQK, DV, TOPK, HI, DI = 64, 576, 512, 2048, 32, 128
+# the ceiling the TFLOP/s rows are compared with: a bf16 8192^3 torch.matmul measured on the H200
+# (../shared/GLM5_REFERENCE.md); --peak-tflops for another GPU
+PEAK_TFLOPS = 751.0
 
 FWD_SWEEP = [
     dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2),
@@ -142,7 +145,7 @@ def sweep(seq, reps, log):
     return res
 
 
-def bench(seq, reps, with_reference, log):
+def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS):
     from megatron_glm5.ops import reference, triton_indexer, triton_kl
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -153,8 +156,10 @@ def bench(seq, reps, with_reference, log):
         row = dict(seq=seq, kernel=kernel, ms=round(ms, 3))
         if flop:
             row["tflops"] = round(flop / ms / 1e9, 1)
+            row["pct_of_peak"] = round(100 * row["tflops"] / peak, 1)
         rows.append(row)
-        log(f"S={seq:6d} {kernel:38s} {ms:9.2f} ms" + (f" {row['tflops']:7.1f} TFLOP/s" if flop else ""))
+        log(f"S={seq:6d} {kernel:38s} {ms:9.2f} ms" + (
+            f" {row['tflops']:7.1f} TFLOP/s ({row['pct_of_peak']:.0f}% of {peak:.0f})" if flop else ""))
 
     add("indexer_topk (triton)", timed(lambda: triton_indexer.indexer_topk(
         p.qi, p.ki, p.w, TOPK, p.key_start, p.query_end, DI ** -0.5), p.refill, max(5, reps // 4)))
@@ -223,6 +228,8 @@ def main(argv=None):
     ap.add_argument("--reference-max-seq", type=int, default=4096,
                     help="time the torch reference only up to this sequence length (it is slow)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS,
+                    help="the GPU's measured bf16 matmul TFLOP/s, for the %% of peak column (default: the H200's)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU")
@@ -241,7 +248,7 @@ def main(argv=None):
     result["fwd_config"], result["bwd_config"] = dict(tsm.FWD_CONFIG), dict(tsm.BWD_CONFIG)
     result["rows"] = []
     for seq in args.seqs:
-        result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log)
+        result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log, args.peak_tflops)
     log(f"total {time.time() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
