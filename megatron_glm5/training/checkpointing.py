@@ -343,10 +343,18 @@ class _PendingSave:
 
     def complete(self) -> str:
         """Collective, after every rank's write: dist_checkpointing metadata, manifest, rename, pointer,
-        retention."""
+        retention.  First every rank learns which ranks' writes failed: then all of them stop with an error (the
+        failed ones with their own), none is left waiting in a collective for a rank that stopped."""
+        failed = _failed_ranks(bool(self.errors))
         with self.failures_as_user_errors():
             if self.errors:
                 raise self.errors[0]
+        if failed:
+            _discard_partial(self.partial)
+            raise CheckpointWriteError(
+                f"--save {self.root}: writing checkpoint {self.partial} failed on rank(s) "
+                f"{', '.join(map(str, failed))} (their error says why); nothing was promoted")
+        with self.failures_as_user_errors():
             for fn in self.request.finalize_fns:
                 fn()
             _barrier()
@@ -411,6 +419,16 @@ class CheckpointSaver:
             self._all_done(blocking=True)
             pending, self.pending = self.pending, None
             pending.complete()
+
+
+def _failed_ranks(failed: bool) -> list[int]:
+    """The ranks for which ``failed`` is true (collective: every rank gets the same list)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [0] if failed else []
+    flags = torch.zeros(dist.get_world_size(), device=_comm_device())
+    flags[dist.get_rank()] = 1.0 if failed else 0.0
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
 
 
 def _comm_device():
