@@ -41,6 +41,12 @@ BWD_SWEEP = [
     dict(BLOCK_N=32, H_SPLIT=2, num_warps=16, num_stages=2),
     dict(BLOCK_N=64, H_SPLIT=2, num_warps=16, num_stages=1),
 ]
+PROB_SWEEP = [  # the KL target's head sums, one pass (the forward's lse given)
+    dict(BLOCK_N=64, num_warps=8, num_stages=2),
+    dict(BLOCK_N=32, num_warps=4, num_stages=3),
+    dict(BLOCK_N=64, num_warps=4, num_stages=3),
+    dict(BLOCK_N=128, num_warps=8, num_stages=2),
+]
 KL_SWEEP = [
     dict(BLOCK_N=32, num_warps=4, num_stages=3),
     dict(BLOCK_N=64, num_warps=4, num_stages=2),
@@ -119,6 +125,19 @@ def sweep(seq, reps, log):
             log(f"sweep bwd {cfg}: failed: {str(e).splitlines()[0][:200]}")
     from megatron_glm5.ops import triton_kl
 
+    res["prob"] = []
+    for cfg in PROB_SWEEP:
+        try:
+            ms = timed(lambda: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV, attn_lse=lse,
+                                                           config=cfg), p.refill, reps)
+            res["prob"].append(dict(config=cfg, ms=ms))
+            log(f"sweep KL head sums (1 pass) S={seq} {cfg}: {ms:.2f} ms")
+        except Exception as e:
+            res["prob"].append(dict(config=cfg, error=str(e).splitlines()[0][:200]))
+            log(f"sweep head sums {cfg}: failed: {str(e).splitlines()[0][:200]}")
+    ok_p = [r for r in res["prob"] if "ms" in r]
+    if ok_p:
+        triton_kl.PROB_CONFIG.update(min(ok_p, key=lambda r: r["ms"])["config"])
     res["kl"] = []
     qi, ki, w = (x.detach().requires_grad_() for x in (p.qi, p.ki, p.w))
     for cfg in KL_SWEEP:
@@ -140,7 +159,8 @@ def sweep(seq, reps, log):
         tsm.FWD_CONFIG.update(min(ok_f, key=lambda r: r["ms"])["config"])
     if ok_b:
         tsm.BWD_CONFIG.update(min(ok_b, key=lambda r: r["ms"])["config"])
-    log(f"chosen fwd {tsm.FWD_CONFIG}, bwd {tsm.BWD_CONFIG}, kl {triton_kl.KL_CONFIG}")
+    log(f"chosen fwd {tsm.FWD_CONFIG}, bwd {tsm.BWD_CONFIG}, head sums {triton_kl.PROB_CONFIG}, "
+        f"kl {triton_kl.KL_CONFIG}")
     torch.cuda.empty_cache()
     return res
 
