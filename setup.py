@@ -28,7 +28,7 @@ setup(
         # triton: tests/test_ops_triton.py runs the Triton kernels on CPU through its interpreter
         "test": ["pytest>=8", "pytest-timeout", "triton==3.6.0"],
         "gpu": ["triton>=3.6"],
-        "tilelang": ["tilelang>=0.1.6"],
+        "tilelang": ["tilelang>=0.1.15"],
         "cudnn": ["nvidia-cudnn-frontend[cutedsl]>=1.32"],  # cudnn.DSA, read from 1.32.0
         "te": ["transformer-engine[pytorch]"],
     },

@@ -16,6 +16,7 @@ the fastest for the table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -207,6 +208,14 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS):
         add("sparse_mla fwd (FlashMLA flash_mla_sparse_fwd)", timed(
             lambda: flashmla_backend.flash_mla_sparse_forward(p.q, p.kv, p.indices, p.scale, DV), p.refill, reps),
             p.fwd_flop)
+    from megatron_glm5.ops import tilelang_sparse_mla
+
+    if tilelang_sparse_mla.probe_tilelang():  # our TileLang forward, when tilelang is installed here
+        for label, cfg in (("", tilelang_sparse_mla.FWD_CONFIG), (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG)):
+            tl_fwd = functools.partial(tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV,
+                                       config=cfg)
+            tl_fwd()  # compile outside the timing
+            add(f"sparse_mla fwd (our TileLang{label})", timed(tl_fwd, p.refill, reps), p.fwd_flop)
     from megatron_glm5.ops import cudnn_backend
 
     try:  # peer kernels, when the cuDNN frontend's DSA imports here

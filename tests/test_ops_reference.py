@@ -454,7 +454,8 @@ def test_get_backend_missing_package(monkeypatch, name, needle):
 
 
 def test_get_backend_no_cuda_and_not_shipped(monkeypatch):
-    pending = backends.BACKENDS["tilelang"]
+    pending = backends.PendingGPUBackend("tilelang", "tilelang", "pip install 'megatron-glm5[tilelang]'")
+    monkeypatch.setitem(backends.BACKENDS, "tilelang", pending)  # the placeholder class, on a registered name
     monkeypatch.setattr(pending, "_has_package", True)
     monkeypatch.setattr(backends, "_cuda_available", lambda: False)
     with pytest.raises(backends.BackendUnavailable, match="needs a CUDA GPU"):

@@ -3,9 +3,9 @@
 Every backend offers the three ops of ``megatron_glm5.ops.reference`` with the same signatures:
 ``indexer_topk``, ``sparse_mla`` and ``indexer_kl_loss``.  Implemented: "torch" (the pure-torch reference),
 "triton" (our Triton kernels, TritonBackend), "flashmla" (FlashMLA's sparse forward + our Triton backward,
-flashmla_backend) and "cudnn" (cuDNN frontend's DSA indexer and sparse backward, cudnn_backend).  "tilelang" is a
-registered placeholder: ``get_backend`` refuses it (no kernels in this release).  docs/design.md, "Attention
-backends", says what runs where.
+flashmla_backend), "cudnn" (cuDNN frontend's DSA indexer and sparse backward, cudnn_backend) and "tilelang" (our
+TileLang sparse forward + the Triton backward, tilelang_sparse_mla).  PendingGPUBackend is the placeholder class for
+a backend without kernels.  docs/design.md, "Attention backends", says what runs where.
 """
 
 from __future__ import annotations
@@ -239,11 +239,12 @@ class PendingGPUBackend(AttentionBackend):
 # after the classes above: these modules subclass TritonBackend (indexer / KL ops) and use the helpers above
 from .cudnn_backend import CudnnBackend  # noqa: E402
 from .flashmla_backend import FlashMLABackend  # noqa: E402
+from .tilelang_sparse_mla import TilelangBackend  # noqa: E402
 
 BACKENDS: Dict[str, AttentionBackend] = {
     "torch": TorchBackend(),
     "triton": TritonBackend(),
-    "tilelang": PendingGPUBackend("tilelang", "tilelang", "pip install 'megatron-glm5[tilelang]'"),
+    "tilelang": TilelangBackend(),
     "cudnn": CudnnBackend(),
     "flashmla": FlashMLABackend(),
 }
