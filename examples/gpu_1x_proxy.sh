@@ -5,7 +5,7 @@
 # Pretrains on the shipped tiny text (tokenized with the tiny tokenizer: the point is speed and memory, not loss).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python pretrain_glm5.py --hf-config examples/proxy/config.json --bf16 --seq-length 4096 \
+"${PYTHON:-python3}" pretrain_glm5.py --hf-config examples/proxy/config.json --bf16 --seq-length 4096 \
   --micro-batch-size 1 --global-batch-size 1 --train-iters "${ITERS:-20}" --lr 1e-4 --min-lr 1e-5 \
   --lr-warmup-iters 2 --log-interval "${LOG_INTERVAL:-5}" --eval-interval 100000 --no-save \
   --tensorboard-dir "${TB_DIR:-runs/proxy/tensorboard}" --attn torch --no-mtp "$@"

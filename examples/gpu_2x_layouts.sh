@@ -10,15 +10,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT_DIR:-runs/layouts}
+PYTHON=${PYTHON:-python3}  # the interpreter that has torch (a bare `python` may be another one)
 read -r -a MODEL_ARGS <<< "${MODEL:---hf-config examples/proxy2/config.json}"
 COMMON=("${MODEL_ARGS[@]}" --bf16 --seq-length "${SEQ:-4096}" --global-batch-size 2
         --lr "${LR:-1e-5}" --min-lr 1e-6 --lr-warmup-iters 5 --log-interval 1 --eval-interval 100000 --attn torch --no-mtp
         --seed 7 --use-distributed-optimizer)
-python pretrain_glm5.py "${COMMON[@]}" --micro-batch-size 1 --train-iters 1 --lr 0 --min-lr 0 --lr-warmup-iters 0 \
+"$PYTHON" pretrain_glm5.py "${COMMON[@]}" --micro-batch-size 1 --train-iters 1 --lr 0 --min-lr 0 --lr-warmup-iters 0 \
   --save "$OUT/init"
 for layout in ${LAYOUTS:-"1gpu:1:" "1gpu-mb2:1:--micro-batch-size=2" "tp2:2:--tp=2" "ep2:2:--ep=2" "pp2:2:--pp=2"}; do
   name=${layout%%:*}; rest=${layout#*:}; n=${rest%%:*}; flags=${rest#*:}; flags=${flags//,/ }
-  ${RUN_TIMEOUT:+timeout "$RUN_TIMEOUT"} torchrun --nproc-per-node "$n" pretrain_glm5.py "${COMMON[@]}" --micro-batch-size 1 $flags \
+  ${RUN_TIMEOUT:+timeout "$RUN_TIMEOUT"} "$PYTHON" -m torch.distributed.run --nproc-per-node "$n" pretrain_glm5.py "${COMMON[@]}" --micro-batch-size 1 $flags \
     --train-iters "${ITERS:-20}" --load "$OUT/init" --finetune --no-save --tensorboard-dir "$OUT/$name/tensorboard" \
     || echo "layout $name FAILED (exit $?); going on with the next" >&2
 done
