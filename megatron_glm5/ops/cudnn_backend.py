@@ -96,38 +96,15 @@ def cudnn_sparse_backward(q, kv, indices, out, lse, d_out, softmax_scale):
     return res["dq"], res["dkv"]
 
 
-class SparseMLACudnn(torch.autograd.Function):
-    """FlashMLA (use_flashmla) or Triton forward; cuDNN backward (Triton when lse receives a gradient)."""
+def _cudnn_or_triton_backward(q, kv, idx, out, lse, d_out, d_lse, softmax_scale, d_v, deterministic):
+    """The cuDNN sparse backward; the Triton one when lse receives a gradient (cuDNN has no input for it)."""
+    from . import triton_sparse_mla
 
-    @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, use_flashmla, deterministic):
-        idx = _normalize_indices(indices, kv.shape[0])
-        if use_flashmla:
-            out, lse = flashmla_backend.flash_mla_sparse_forward(q, kv, idx, softmax_scale, d_v)
-        else:
-            from . import triton_sparse_mla
-
-            out, lse = triton_sparse_mla.sparse_mla_fwd(q, kv, idx, softmax_scale, d_v)
-        ctx.save_for_backward(q, kv, idx, out, lse)
-        ctx.scale, ctx.d_v, ctx.det = softmax_scale, d_v, deterministic
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        q, kv, idx, out, lse = ctx.saved_tensors
-        if d_out is None and d_lse is None:
-            return None, None, None, None, None, None, None
-        if d_lse is not None:
-            flashmla_backend.warn_once("cudnn", "the cuDNN sparse backward has no lse-gradient input")
-            from . import triton_sparse_mla
-
-            d_out = torch.zeros_like(out) if d_out is None else d_out
-            dq, dkv = triton_sparse_mla.sparse_mla_bwd(q, kv, idx, out, lse, d_out, d_lse, ctx.scale, ctx.d_v,
-                                                       ctx.det)
-        else:
-            dq, dkv = cudnn_sparse_backward(q, kv, idx, out, lse, d_out, ctx.scale)
-        return dq, dkv, None, None, None, None, None
+    if d_lse is not None:
+        flashmla_backend.warn_once("cudnn", "the cuDNN sparse backward has no lse-gradient input")
+        return triton_sparse_mla.sparse_mla_bwd(q, kv, idx, out, lse, d_out, d_lse, softmax_scale, d_v,
+                                                deterministic)
+    return cudnn_sparse_backward(q, kv, idx, out, lse, d_out, softmax_scale)
 
 
 class CudnnBackend(TritonBackend):
@@ -253,10 +230,15 @@ class CudnnBackend(TritonBackend):
         if indices is not None:
             why = self._sparse_unsupported_reason(q, kv, d_v)
             if why is None:
+                from . import triton_sparse_mla
+
                 use_flashmla = (self.has_flash_mla()
                                 and flashmla_backend.flashmla_unsupported_reason(q, kv, d_v) is None)
-                return SparseMLACudnn.apply(q, kv, indices, float(softmax_scale), int(d_v), use_flashmla,
-                                            self.deterministic)
+                forward = (flashmla_backend.flash_mla_sparse_forward if use_flashmla
+                           else triton_sparse_mla.sparse_mla_fwd)
+                return triton_sparse_mla.sparse_mla(q, kv, _normalize_indices(indices, kv.shape[0]), softmax_scale,
+                                                    d_v, self.deterministic, forward_fn=forward,
+                                                    backward_fn=_cudnn_or_triton_backward)
             flashmla_backend.warn_once(self.name, why)
         return super().sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
 

@@ -113,28 +113,6 @@ def flash_mla_sparse_forward(q: torch.Tensor, kv: torch.Tensor, indices: torch.T
     return out, lse
 
 
-class SparseMLAFlashTriton(torch.autograd.Function):
-    """FlashMLA forward, Triton backward (dq, dkv); saves q, kv, indices, out, lse."""
-
-    @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic):
-        out, lse = flash_mla_sparse_forward(q, kv, indices, softmax_scale, d_v)
-        ctx.save_for_backward(q, kv, indices, out, lse)
-        ctx.scale, ctx.d_v, ctx.det = softmax_scale, d_v, deterministic
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        from . import triton_sparse_mla
-
-        q, kv, indices, out, lse = ctx.saved_tensors
-        if d_out is None:
-            d_out = torch.zeros_like(out)
-        dq, dkv = triton_sparse_mla.sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, ctx.scale, ctx.d_v,
-                                                   ctx.det)
-        return dq, dkv, None, None, None, None
-
-
 def _triton_backward_reason(q: torch.Tensor, d_v: int) -> Optional[str]:
     d_rope = q.shape[-1] - d_v
     if d_v & (d_v - 1) or d_rope <= 0 or d_rope & (d_rope - 1):
@@ -175,6 +153,9 @@ class FlashMLABackend(TritonBackend):
         if indices is not None:
             why = flashmla_unsupported_reason(q, kv, d_v) or _triton_backward_reason(q, d_v)
             if why is None:
-                return SparseMLAFlashTriton.apply(q, kv, indices, float(softmax_scale), int(d_v), self.deterministic)
+                from . import triton_sparse_mla
+
+                return triton_sparse_mla.sparse_mla(q, kv, indices, softmax_scale, d_v, self.deterministic,
+                                                    forward_fn=flash_mla_sparse_forward)
             warn_once(self.name, why)
         return super().sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)

@@ -19,8 +19,8 @@ Two configurations: FWD_CONFIG (the default; a plain loop, 64 rows per step) and
 stages: the cp.async gather of the next 32 rows overlaps this block's math).  ptxas for sm_90a: 215 registers, no
 spills (default); 255 registers, 4 bytes spilled (pipelined).  Which is faster is not measured yet.
 
-Backward: ``triton_sparse_mla.sparse_mla_bwd`` through flashmla_backend's autograd Function (only its forward is
-replaced here).  indexer_topk / indexer_kl_loss and every shape the kernel does not take (non-bf16, d_v or d_rope
+Backward: ``triton_sparse_mla.sparse_mla_bwd`` through ``triton_sparse_mla.sparse_mla``'s autograd Function (with
+this forward plugged in).  indexer_topk / indexer_kl_loss and every shape the kernel does not take (non-bf16, d_v or d_rope
 not a power of two) are the Triton backend's, with a warning logged once per reason.
 
 Verified: on a CPU-only machine with tilelang 0.1.15, both configurations lower to CUDA source for sm_90a and that
@@ -38,7 +38,7 @@ import torch
 
 from . import backends as _backends
 from .backends import BackendUnavailable, TritonBackend
-from .flashmla_backend import SparseMLAFlashTriton, _triton_backward_reason, pad_topk, warn_once
+from .flashmla_backend import _triton_backward_reason, pad_topk, warn_once
 
 logger = logging.getLogger("megatron_glm5.ops")
 
@@ -215,17 +215,6 @@ def tilelang_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     return out_k.contiguous(), lse_k.contiguous()
 
 
-class SparseMLATilelangTriton(SparseMLAFlashTriton):
-    """TileLang forward, Triton backward (the backward is SparseMLAFlashTriton's: saves q, kv, indices, out, lse)."""
-
-    @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic):
-        out, lse = tilelang_sparse_fwd(q, kv, indices, softmax_scale, d_v)
-        ctx.save_for_backward(q, kv, indices, out, lse)
-        ctx.scale, ctx.d_v, ctx.det = softmax_scale, d_v, deterministic
-        return out, lse
-
-
 def tilelang_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> Optional[str]:
     """Why our TileLang forward cannot take these inputs (None when it can)."""
     if q.dim() != 3 or kv.dim() != 2 or q.shape[-1] != kv.shape[-1]:
@@ -270,7 +259,9 @@ class TilelangBackend(TritonBackend):
         if indices is not None:
             why = tilelang_unsupported_reason(q, kv, d_v) or _triton_backward_reason(q, d_v)
             if why is None:
-                return SparseMLATilelangTriton.apply(q, kv, indices, float(softmax_scale), int(d_v),
-                                                     self.deterministic)
+                from . import triton_sparse_mla
+
+                return triton_sparse_mla.sparse_mla(q, kv, indices, softmax_scale, d_v, self.deterministic,
+                                                    forward_fn=tilelang_sparse_fwd)
             warn_once(self.name, why)
         return super().sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
