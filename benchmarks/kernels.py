@@ -101,65 +101,47 @@ class Problem:
         return 2.0 * self.seq * H * TOPK * (DQK + DV)
 
 
+def _try_configs(label, configs, run, refill, reps, log, flop=None):
+    """Times run(cfg) for each block configuration (a failing one, e.g. out of shared memory, is recorded);
+    returns (rows, the fastest configuration or None)."""
+    rows = []
+    for cfg in configs:
+        try:
+            ms = timed(lambda: run(cfg), refill, reps)
+            rows.append(dict(config=cfg, ms=ms, **({"tflops": flop / ms / 1e9} if flop else {})))
+            log(f"sweep {label} {cfg}: {ms:.2f} ms" + (f"  {flop / ms / 1e9:.0f} TFLOP/s" if flop else ""))
+        except Exception as e:
+            rows.append(dict(config=cfg, error=str(e).splitlines()[0][:200]))
+            log(f"sweep {label} {cfg}: failed: {str(e).splitlines()[0][:200]}")
+    ok = [r for r in rows if "ms" in r]
+    return rows, (min(ok, key=lambda r: r["ms"])["config"] if ok else None)
+
+
 def sweep(seq, reps, log):
+    """Times the block configurations of each Triton kernel at S = seq and makes the fastest the default."""
+    from megatron_glm5.ops import triton_kl
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
     p = Problem(seq)
-    res = {"fwd": [], "bwd": []}
     out, lse = tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV)
-    for cfg in FWD_SWEEP:
-        try:
-            ms = timed(lambda: tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV, config=cfg), p.refill, reps)
-            res["fwd"].append(dict(config=cfg, ms=ms, tflops=p.fwd_flop / ms / 1e9))
-            log(f"sweep fwd S={seq} {cfg}: {ms:.2f} ms  {p.fwd_flop / ms / 1e9:.0f} TFLOP/s")
-        except Exception as e:  # e.g. out of shared memory for this block shape
-            res["fwd"].append(dict(config=cfg, error=str(e).splitlines()[0][:200]))
-            log(f"sweep fwd {cfg}: failed: {str(e).splitlines()[0][:200]}")
-    for cfg in BWD_SWEEP:
-        try:
-            ms = timed(lambda: tsm.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
-                                                  deterministic=False, config=cfg), p.refill, reps)
-            res["bwd"].append(dict(config=cfg, ms=ms, tflops=2.5 * p.fwd_flop / ms / 1e9))
-            log(f"sweep bwd(atomic) S={seq} {cfg}: {ms:.2f} ms  {2.5 * p.fwd_flop / ms / 1e9:.0f} TFLOP/s")
-        except Exception as e:
-            res["bwd"].append(dict(config=cfg, error=str(e).splitlines()[0][:200]))
-            log(f"sweep bwd {cfg}: failed: {str(e).splitlines()[0][:200]}")
-    from megatron_glm5.ops import triton_kl
-
-    res["prob"] = []
-    for cfg in PROB_SWEEP:
-        try:
-            ms = timed(lambda: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV, attn_lse=lse,
-                                                           config=cfg), p.refill, reps)
-            res["prob"].append(dict(config=cfg, ms=ms))
-            log(f"sweep KL head sums (1 pass) S={seq} {cfg}: {ms:.2f} ms")
-        except Exception as e:
-            res["prob"].append(dict(config=cfg, error=str(e).splitlines()[0][:200]))
-            log(f"sweep head sums {cfg}: failed: {str(e).splitlines()[0][:200]}")
-    ok_p = [r for r in res["prob"] if "ms" in r]
-    if ok_p:
-        triton_kl.PROB_CONFIG.update(min(ok_p, key=lambda r: r["ms"])["config"])
-    res["kl"] = []
     qi, ki, w = (x.detach().requires_grad_() for x in (p.qi, p.ki, p.w))
-    for cfg in KL_SWEEP:
-        try:
-            ms = timed(lambda: triton_kl.indexer_kl_loss_sparse(qi, ki, w, DI ** -0.5, p.q, p.kv, p.scale, p.indices,
-                                                                DV, attn_lse=lse, config=cfg)[0].backward(),
-                       p.refill, reps)
-            res["kl"].append(dict(config=cfg, ms=ms))
-            log(f"sweep indexer KL fwd+grad S={seq} {cfg}: {ms:.2f} ms")
-        except Exception as e:
-            res["kl"].append(dict(config=cfg, error=str(e).splitlines()[0][:200]))
-            log(f"sweep kl {cfg}: failed: {str(e).splitlines()[0][:200]}")
-    ok_k = [r for r in res["kl"] if "ms" in r]
-    if ok_k:
-        triton_kl.KL_CONFIG.update(min(ok_k, key=lambda r: r["ms"])["config"])
-    ok_f = [r for r in res["fwd"] if "ms" in r]
-    ok_b = [r for r in res["bwd"] if "ms" in r]
-    if ok_f:
-        tsm.FWD_CONFIG.update(min(ok_f, key=lambda r: r["ms"])["config"])
-    if ok_b:
-        tsm.BWD_CONFIG.update(min(ok_b, key=lambda r: r["ms"])["config"])
+    kernels = {
+        "fwd": (FWD_SWEEP, tsm.FWD_CONFIG, p.fwd_flop,
+                lambda cfg: tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV, config=cfg)),
+        "bwd": (BWD_SWEEP, tsm.BWD_CONFIG, 2.5 * p.fwd_flop,
+                lambda cfg: tsm.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
+                                               deterministic=False, config=cfg)),
+        "prob": (PROB_SWEEP, triton_kl.PROB_CONFIG, None,  # the KL target's head sums, one pass
+                 lambda cfg: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV, attn_lse=lse, config=cfg)),
+        "kl": (KL_SWEEP, triton_kl.KL_CONFIG, None,  # the fused indexer KL kernel, forward + gradients
+               lambda cfg: triton_kl.indexer_kl_loss_sparse(qi, ki, w, DI ** -0.5, p.q, p.kv, p.scale, p.indices, DV,
+                                                            attn_lse=lse, config=cfg)[0].backward()),
+    }
+    res = {}
+    for name, (configs, default, flop, run) in kernels.items():
+        res[name], best = _try_configs(f"{name} S={seq}", configs, run, p.refill, reps, log, flop)
+        if best is not None:
+            default.update(best)
     log(f"chosen fwd {tsm.FWD_CONFIG}, bwd {tsm.BWD_CONFIG}, head sums {triton_kl.PROB_CONFIG}, "
         f"kl {triton_kl.KL_CONFIG}")
     torch.cuda.empty_cache()

@@ -28,3 +28,26 @@ def test_proxy_step_benchmark_runs_both_implementations(tmp_path):
         assert x["ms_per_step"] > 0 and x["tokens_per_s"] > 0
         # random initialisation predicts nearly uniformly: the first loss is about ln(vocab) for both
         assert abs(x["losses"][0] - ln_vocab) < 0.1 * ln_vocab, (impl, x["losses"], ln_vocab)
+
+
+def test_kernel_sweep_keeps_the_fastest_configuration_and_records_failures(monkeypatch):
+    """benchmarks/kernels.py's sweep helper (the timing itself needs a GPU: replaced by a fake clock here)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import kernels
+
+    def fake_timed(fn, refill, reps):
+        return fn()
+
+    def run(cfg):
+        if cfg["BLOCK_N"] == 128:
+            raise RuntimeError("out of resource: shared memory, Required: 300000\nsecond line")
+        return {16: 3.0, 32: 1.5, 64: 2.0}[cfg["BLOCK_N"]]
+
+    monkeypatch.setattr(kernels, "timed", fake_timed)
+    logs = []
+    configs = [dict(BLOCK_N=n) for n in (16, 32, 128, 64)]
+    rows, best = kernels._try_configs("fwd", configs, run, None, 3, logs.append, flop=3e12)
+    assert best == dict(BLOCK_N=32)
+    assert rows[1]["tflops"] == 3e12 / 1.5 / 1e9 and rows[2]["error"].startswith("out of resource")
+    assert any("failed: out of resource" in line for line in logs)
+    assert kernels._try_configs("fwd", configs[2:3], run, None, 3, logs.append) == ([rows[2]], None)
