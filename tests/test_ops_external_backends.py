@@ -358,22 +358,14 @@ def _real(name):
 @pytest.mark.parametrize("name,layout", [("flashmla", "causal"), ("flashmla", "packed"), ("cudnn", "causal"),
                                          ("cudnn", "packed")])
 def test_gpu_real_sparse_mla(name, layout):
-    from test_ops_triton import gpu_causal_indices, gpu_layouts
+    from test_ops_triton import gpu_sparse_problem
 
     backend = _real(name)
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    ks, qe = gpu_layouts()[layout]
-    idx = gpu_causal_indices(ks, qe, TOPK, gen)
-    q = torch.randn(S_GPU, H, DQK, device="cuda", generator=gen).bfloat16().requires_grad_()
-    kv = torch.randn(S_GPU, DQK, device="cuda", generator=gen).bfloat16().requires_grad_()
-    d_out = torch.randn(S_GPU, H, DV, device="cuda", generator=gen).bfloat16()
-    scale = DQK ** -0.5
-    out, lse = backend.sparse_mla(q, kv, idx, scale, DV)
-    (out * d_out).sum().backward()
-    qr, kvr = q.detach().float().requires_grad_(), kv.detach().float().requires_grad_()
-    ro, rl = reference.sparse_mla(qr, kvr, idx, scale, DV)
-    (ro * d_out.float()).sum().backward()
-    for key, got, want in (("out", out, ro), ("lse", lse, rl), ("dq", q.grad, qr.grad), ("dkv", kv.grad, kvr.grad)):
+    pr = gpu_sparse_problem(layout, seed=11)
+    q, kv = pr.q.clone().requires_grad_(), pr.kv.clone().requires_grad_()
+    out, lse = backend.sparse_mla(q, kv, pr.idx, pr.scale, DV)
+    (out * pr.d_out).sum().backward()
+    for key, got, want in (("out", out, pr.out), ("lse", lse, pr.lse), ("dq", q.grad, pr.dq), ("dkv", kv.grad, pr.dkv)):
         assert not torch.isnan(got).any(), key
         assert rel_l2(got, want) <= 1e-2, (name, layout, key, rel_l2(got, want))
 

@@ -10,6 +10,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -226,25 +227,35 @@ def gpu_layouts():
     return {"causal": (ks.cuda(), qe.cuda()), "packed": (pks.cuda(), pqe.cuda())}
 
 
-@gpu
-@needs_cuda
-@pytest.mark.parametrize("layout,bwd", [("causal", "default"), ("packed", "default"), ("causal", "fallback")])
-def test_gpu_sparse_mla_real_shapes(layout, bwd):
-    from megatron_glm5.ops import triton_sparse_mla as tsm
-
-    gen = torch.Generator(device="cuda").manual_seed(1)
+def gpu_sparse_problem(layout, seed):
+    """A GLM-5-shaped sparse MLA problem on the GPU in bf16 (q, kv, indices of the layout, d_out, scale) with the
+    fp32 reference's out, lse and gradients (for the loss sum(out * d_out)), and NaN-filled out / lse buffers."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
     ks, qe = gpu_layouts()[layout]
     idx = gpu_causal_indices(ks, qe, TOPK, gen)
     q = torch.randn(S_GPU, H, DQK, device="cuda", generator=gen).bfloat16()
     kv = torch.randn(S_GPU, DQK, device="cuda", generator=gen).bfloat16()
     d_out = torch.randn(S_GPU, H, DV, device="cuda", generator=gen).bfloat16()
     scale = DQK ** -0.5
-    out = torch.full((S_GPU, H, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
-    lse = torch.full((S_GPU, H), float("nan"), device="cuda")
-    tsm.sparse_mla_fwd(q, kv, idx, scale, DV, out=out, lse=lse)
     qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
     ro, rl = reference.sparse_mla(qr, kvr, idx, scale, DV)
     (ro * d_out.float()).sum().backward()
+    return SimpleNamespace(idx=idx, q=q, kv=kv, d_out=d_out, scale=scale, out=ro.detach(), lse=rl.detach(),
+                           dq=qr.grad, dkv=kvr.grad,
+                           nan_out=torch.full((S_GPU, H, DV), float("nan"), device="cuda", dtype=torch.bfloat16),
+                           nan_lse=torch.full((S_GPU, H), float("nan"), device="cuda"))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("layout,bwd", [("causal", "default"), ("packed", "default"), ("causal", "fallback")])
+def test_gpu_sparse_mla_real_shapes(layout, bwd):
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    pr = gpu_sparse_problem(layout, seed=1)
+    q, kv, idx, d_out, scale, out, lse = pr.q, pr.kv, pr.idx, pr.d_out, pr.scale, pr.nan_out, pr.nan_lse
+    ro, rl = pr.out, pr.lse
+    tsm.sparse_mla_fwd(q, kv, idx, scale, DV, out=out, lse=lse)
     assert not out.isnan().any() and not lse.isnan().any()
     assert rel_l2(out, ro) <= 1e-2 and rel_l2(lse, rl) <= 1e-2
     grads = {}
@@ -253,7 +264,7 @@ def test_gpu_sparse_mla_real_shapes(layout, bwd):
         dq = torch.full_like(q, float("nan"))
         grads[det, str(cfg)] = g = tsm.sparse_mla_bwd(q, kv, idx, out, lse, d_out, None, scale, DV,
                                                        deterministic=det, dq=dq, config=cfg)
-        for name, g, want in (("dq", g[0], qr.grad), ("dkv", g[1], kvr.grad)):
+        for name, g, want in (("dq", g[0], pr.dq), ("dkv", g[1], pr.dkv)):
             assert not g.isnan().any(), name
             assert rel_l2(g, want) <= 1e-2, (name, det, cfg, rel_l2(g, want))
     again = tsm.sparse_mla_bwd(q, kv, idx, out, lse, d_out, None, scale, DV, deterministic=True, config=cfg)
