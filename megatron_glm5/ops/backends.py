@@ -128,8 +128,16 @@ class TritonBackend(AttentionBackend):
                 self._has_package = False
         return self._has_package
 
+    #: what the backends built on this one use triton for (their messages name it)
+    triton_role = ""
+
+    def library_missing(self) -> Optional[str]:
+        """Why the library a backend built on this one wraps cannot be used (None: it can, or none is needed).
+        Subclasses probe once and cache."""
+        return None
+
     def available(self) -> bool:
-        return self.has_package() and _cuda_available()
+        return self.library_missing() is None and self.has_package() and _cuda_available()
 
     def _fallback(self, why: str) -> None:
         if why not in _logged:
@@ -137,11 +145,16 @@ class TritonBackend(AttentionBackend):
             logger.warning("--attn triton: %s; using the torch reference for this op", why)
 
     def check(self) -> None:
+        why = self.library_missing()
+        if why is not None:
+            raise BackendUnavailable(why)
         if not self.has_package():
-            raise BackendUnavailable("--attn triton needs the triton package: pip install 'megatron-glm5[gpu]'")
+            role = f" {self.triton_role}" if self.triton_role else ""
+            raise BackendUnavailable(f"--attn {self.name} needs the triton package{role}: "
+                                     "pip install 'megatron-glm5[gpu]'")
         if not _cuda_available():
             raise BackendUnavailable(
-                "--attn triton needs a CUDA GPU (torch.cuda.is_available() is False); use --attn torch")
+                f"--attn {self.name} needs a CUDA GPU (torch.cuda.is_available() is False); use --attn torch")
 
     def indexer_topk(self, q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=1024):
         d_i = q_idx.shape[-1]

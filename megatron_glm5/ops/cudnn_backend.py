@@ -51,9 +51,8 @@ from typing import Optional
 
 import torch
 
-from . import backends as _backends
 from . import flashmla_backend, reference
-from .backends import BackendUnavailable, TritonBackend
+from .backends import TritonBackend
 
 __all__ = ["CudnnBackend", "CUDNN_INSTALL"]
 
@@ -112,6 +111,7 @@ class CudnnBackend(TritonBackend):
 
     name = "cudnn"
     implemented = True
+    triton_role = "(forward without FlashMLA, KL loss)"
 
     def __init__(self, deterministic: Optional[bool] = None):
         super().__init__(deterministic)
@@ -146,19 +146,8 @@ class CudnnBackend(TritonBackend):
             self._has_flash_mla = flashmla_backend.probe_flash_mla()
         return self._has_flash_mla
 
-    def available(self) -> bool:
-        return self.has_dsa() and super().has_package() and _backends._cuda_available()
-
-    def check(self) -> None:
-        why = self._probe()
-        if why is not None:
-            raise BackendUnavailable(why)
-        if not super().has_package():
-            raise BackendUnavailable("--attn cudnn needs the triton package (forward without FlashMLA, KL loss): "
-                                     "pip install 'megatron-glm5[gpu]'")
-        if not _backends._cuda_available():
-            raise BackendUnavailable(
-                "--attn cudnn needs a CUDA GPU (torch.cuda.is_available() is False); use --attn torch")
+    def library_missing(self) -> Optional[str]:
+        return self._probe()
 
     # -- indexer ---------------------------------------------------------------------------------------------------
 

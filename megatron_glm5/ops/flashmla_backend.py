@@ -39,8 +39,7 @@ from typing import Optional, Set, Tuple
 
 import torch
 
-from . import backends as _backends
-from .backends import BackendUnavailable, TritonBackend
+from .backends import TritonBackend
 
 logger = logging.getLogger("megatron_glm5.ops")
 _warned: Set[str] = set()
@@ -125,6 +124,7 @@ class FlashMLABackend(TritonBackend):
 
     name = "flashmla"
     implemented = True
+    triton_role = "for the backward"
 
     def __init__(self, deterministic: Optional[bool] = None):
         super().__init__(deterministic)
@@ -135,19 +135,10 @@ class FlashMLABackend(TritonBackend):
             self._has_flash_mla = probe_flash_mla()
         return self._has_flash_mla
 
-    def available(self) -> bool:
-        return self.has_flash_mla() and super().has_package() and _backends._cuda_available()
-
-    def check(self) -> None:
-        if not self.has_flash_mla():
-            raise BackendUnavailable(
-                f"--attn flashmla needs the flash_mla package (with flash_mla_sparse_fwd): {FLASHMLA_INSTALL}")
-        if not super().has_package():
-            raise BackendUnavailable("--attn flashmla needs the triton package for the backward: "
-                                     "pip install 'megatron-glm5[gpu]'")
-        if not _backends._cuda_available():
-            raise BackendUnavailable(
-                "--attn flashmla needs a CUDA GPU (torch.cuda.is_available() is False); use --attn torch")
+    def library_missing(self) -> Optional[str]:
+        if self.has_flash_mla():
+            return None
+        return f"--attn flashmla needs the flash_mla package (with flash_mla_sparse_fwd): {FLASHMLA_INSTALL}"
 
     def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
         if indices is not None:

@@ -36,8 +36,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import backends as _backends
-from .backends import BackendUnavailable, TritonBackend
+from .backends import TritonBackend
 from .flashmla_backend import _triton_backward_reason, pad_topk, warn_once
 
 logger = logging.getLogger("megatron_glm5.ops")
@@ -232,6 +231,7 @@ class TilelangBackend(TritonBackend):
 
     name = "tilelang"
     implemented = True
+    triton_role = "for the backward"
 
     def __init__(self, deterministic: Optional[bool] = None):
         super().__init__(deterministic)
@@ -242,18 +242,8 @@ class TilelangBackend(TritonBackend):
             self._has_tilelang = probe_tilelang()
         return self._has_tilelang
 
-    def available(self) -> bool:
-        return self.has_tilelang() and super().has_package() and _backends._cuda_available()
-
-    def check(self) -> None:
-        if not self.has_tilelang():
-            raise BackendUnavailable(f"--attn tilelang needs the tilelang package: {TILELANG_INSTALL}")
-        if not super().has_package():
-            raise BackendUnavailable("--attn tilelang needs the triton package for the backward: "
-                                     "pip install 'megatron-glm5[gpu]'")
-        if not _backends._cuda_available():
-            raise BackendUnavailable(
-                "--attn tilelang needs a CUDA GPU (torch.cuda.is_available() is False); use --attn torch")
+    def library_missing(self) -> Optional[str]:
+        return None if self.has_tilelang() else f"--attn tilelang needs the tilelang package: {TILELANG_INSTALL}"
 
     def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
         if indices is not None:
