@@ -27,7 +27,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import reference, triton_interpret_compat
-from .triton_sparse_mla import (DET_BUFFER_BYTES, LOG2E, _block_h, _check, _load_selected, _mma, _scores,
+from .triton_sparse_mla import (DET_BUFFER_BYTES, LOG2E, _block_h, _check, _load_query, _load_selected, _mma, _scores,
                                 _segment_reduce_into, deterministic_default)
 
 triton_interpret_compat.apply()
@@ -52,9 +52,7 @@ def _head_prob_kernel(
     offs_r = tl.arange(0, DR)
     offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < n_heads
-    q_base = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    q_lat = tl.load(q_base + offs_v[None, :], mask=h_ok[:, None], other=0.0)
-    q_rope = tl.load(q_base + DV + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+    q_lat, q_rope = _load_query(Q + t * stride_qt, stride_qh, offs_h, h_ok, offs_v, offs_r, DV)
     if LSE_GIVEN:
         lse = tl.load(LSE + t * stride_lt + offs_h, mask=h_ok, other=float("inf"))
         # natural log -> log2 units of the scaled scores; heads without keys (-inf) give p = 0

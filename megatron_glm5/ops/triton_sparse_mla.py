@@ -92,6 +92,15 @@ def _load_selected(IDX_ROW, KV, stride_kvt, slot, topk, n_keys, offs_v, offs_r, 
 
 
 @triton.jit
+def _load_query(Q_ROW, stride_qh, offs_h, h_ok, offs_v, offs_r, DV: tl.constexpr):
+    """One query token's heads ``offs_h`` (rows of invalid heads 0): latent [BLOCK_H, DV] and rope [BLOCK_H, DR]."""
+    q_base = Q_ROW + offs_h[:, None] * stride_qh
+    q_lat = tl.load(q_base + offs_v[None, :], mask=h_ok[:, None], other=0.0)
+    q_rope = tl.load(q_base + DV + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+    return q_lat, q_rope
+
+
+@triton.jit
 def _scores(q_lat, q_rope, k_lat, k_rope, IEEE: tl.constexpr):
     """Absorbed MLA scores [BLOCK_H, BLOCK_N]: q . k over the latent and the rope columns, fp32 accumulation."""
     if IEEE:
@@ -119,9 +128,7 @@ def _fwd_kernel(
     offs_vs = vs * DVS + tl.arange(0, DVS)
     offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < n_heads
-    q_base = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    q_lat = tl.load(q_base + offs_v[None, :], mask=h_ok[:, None], other=0.0)
-    q_rope = tl.load(q_base + DV + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+    q_lat, q_rope = _load_query(Q + t * stride_qt, stride_qh, offs_h, h_ok, offs_v, offs_r, DV)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -199,9 +206,7 @@ def _bwd_kernel(
     offs_r = tl.arange(0, DR)
     offs_n = tl.arange(0, BLOCK_N)
     h_ok = offs_h < n_heads
-    q_base = Q + t * stride_qt + offs_h[:, None] * stride_qh
-    q_lat = tl.load(q_base + offs_v[None, :], mask=h_ok[:, None], other=0.0)
-    q_rope = tl.load(q_base + DV + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+    q_lat, q_rope = _load_query(Q + t * stride_qt, stride_qh, offs_h, h_ok, offs_v, offs_r, DV)
     do = tl.load(DO + t * stride_dot + offs_h[:, None] * stride_doh + offs_v[None, :], mask=h_ok[:, None], other=0.0)
     lse = tl.load(LSE + t * stride_lt + offs_h, mask=h_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # no keys: p = 0
