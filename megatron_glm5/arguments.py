@@ -248,6 +248,9 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
     g.add_argument("--node-size", type=_pos_int, default=None, metavar="N",
                    help="ranks per node, for the hybridep dispatcher (default: $LOCAL_WORLD_SIZE, else "
                         "min(world size, 8))")
+    g.add_argument("--moe-permute-fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="MoE token permute/unpermute with our fused Triton kernels (deterministic) instead of "
+                        "megatron-core's unfused ops (default: on when CUDA and triton are available)")
 
     g = p.add_argument_group("attention (DSA)")
     g.add_argument("--attn", choices=ATTN_BACKENDS, default="auto",
@@ -745,6 +748,9 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if check_device and not cuda and args.attn not in ("auto", "torch"):
         raise ArgumentError(f"--attn {args.attn} needs a CUDA GPU (none is visible); use --attn torch or auto",
                             flag="--attn")
+    if check_device and not cuda and args.moe_permute_fusion and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ArgumentError("--moe-permute-fusion needs a CUDA GPU (none is visible); leave it out or use "
+                            "--no-moe-permute-fusion", flag="--moe-permute-fusion")
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
 
     # ---- model
@@ -1037,6 +1043,8 @@ def args_to_overrides(args: argparse.Namespace) -> Dict[str, Any]:
     )
     if args.moe_router_dtype is not None:
         overrides["moe_router_dtype"] = args.moe_router_dtype
+    if getattr(args, "moe_permute_fusion", None) is not None:  # None: the model's default (on with CUDA + triton)
+        overrides["moe_triton_permute_fusion"] = args.moe_permute_fusion
     if args.moe_token_dispatcher_type == "hybridep" and args.node_size is not None:
         overrides["moe_hybridep_node_size"] = args.node_size
     if args.mtp is False:

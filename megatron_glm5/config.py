@@ -1023,6 +1023,10 @@ def transformer_config_class():
         moe_hybridep_node_size: Optional[int] = None
         """--node-size: GPUs per node for --dispatcher hybridep's torch.distributed implementation
         (model/hybridep_dispatcher.py; None: $LOCAL_WORLD_SIZE, else min(world size, 8))."""
+        moe_triton_permute_fusion: Optional[bool] = None
+        """--moe-permute-fusion: our Triton permute/unpermute kernels (ops/triton_moe_permute.py) in the alltoall
+        and allgather dispatchers; None: on when CUDA and triton are available. (megatron-core's own
+        moe_permute_fusion means Transformer Engine's kernels and stays off.)"""
         fp32_router_and_indexer_weights: bool = True
         """Keep the router weight and the indexer's weights_proj in fp32 whatever params_dtype is (transformers'
         choice; right for inference). Training turns it off: megatron-core's bf16 optimizers need one parameter

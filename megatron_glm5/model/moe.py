@@ -10,12 +10,22 @@ Layer: megatron-core's MoELayer; ``--dispatcher hybridep`` (not a megatron-core 
 megatron-core's flex dispatcher with its HybridEP backend when deep_ep is usable, else the torch.distributed
 hierarchical dispatcher of model/hybridep_dispatcher.py.
 
+``--moe-permute-fusion`` (on by default with CUDA and triton): the alltoall / allgather dispatchers run
+megatron-core's own methods with ``permute`` / ``unpermute`` resolved to our Triton kernels
+(ops/triton_moe_permute.py: one gather kernel, one deterministic per-token sum); see
+:func:`fused_permute_dispatcher`. The hierarchical and flex dispatchers do not use them.
+
 Experts: all local experts' weights stacked in two tensors (HF layout: gate rows then up rows), applied with
 torch's grouped GEMM (``torch.nn.functional.grouped_mm``); a per-expert loop where grouped_mm is unavailable.
 """
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.util
+import os
+import types
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +34,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 
+from megatron_glm5.errors import UserError
 from megatron_glm5.model.hybridep_dispatcher import HierarchicalTokenDispatcher, hybridep_backend
 from megatron_glm5.model.params import param_device
 
@@ -172,10 +184,59 @@ class GLM5GroupedExperts(MegatronModule):
         return out
 
 
+class MoEPermuteFusionUnavailable(UserError, ValueError):
+    """--moe-permute-fusion asked for where its Triton kernels cannot run."""
+
+
+def moe_permute_fusion_enabled(requested: Optional[bool]) -> bool:
+    """--moe-permute-fusion: None (default) -> on when CUDA and triton are available; True needs them (or
+    Triton's CPU interpreter, TRITON_INTERPRET=1, as in the tests)."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    if requested is None:
+        return has_triton and torch.cuda.is_available()
+    if requested and not (has_triton and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")):
+        raise MoEPermuteFusionUnavailable(
+            "--moe-permute-fusion needs triton and a CUDA GPU" + ("" if has_triton else " (triton is not installed)")
+            + "; use --no-moe-permute-fusion")
+    return bool(requested)
+
+
+# megatron-core dispatcher -> its methods that call moe_utils' permute / unpermute (0.19.2)
+_PERMUTING_METHODS = {
+    MoEAlltoAllTokenDispatcher: ("dispatch_preprocess", "combine_postprocess"),
+    MoEAllGatherTokenDispatcher: ("dispatch_postprocess", "combine_preprocess"),
+}
+
+
+def _with_fused_permute(method):
+    """A copy of a megatron-core dispatcher method whose module-level ``permute`` / ``unpermute`` are ours.
+
+    megatron-core calls them as module globals of token_dispatcher.py; rebinding the method's globals (not the
+    module's) keeps every step of megatron's own method -- metadata, syncs, shared-expert overlap -- and changes
+    only this layer's dispatcher, nothing for other users of megatron-core."""
+    from megatron_glm5.ops import triton_moe_permute as fused
+
+    if not {"permute", "unpermute"} & set(method.__code__.co_names):
+        raise RuntimeError(f"megatron-core's {method.__qualname__} no longer calls permute/unpermute; "
+                           "--moe-permute-fusion needs updating for this megatron-core version")
+    scope = dict(method.__globals__, permute=fused.permute, unpermute=fused.unpermute)
+    copy_ = types.FunctionType(method.__code__, scope, method.__name__, method.__defaults__, method.__closure__)
+    copy_.__kwdefaults__, copy_.__doc__, copy_.__qualname__ = method.__kwdefaults__, method.__doc__, method.__qualname__
+    return copy_
+
+
+@functools.lru_cache(maxsize=None)
+def fused_permute_dispatcher(base: type) -> type:
+    """The subclass of a megatron-core dispatcher (alltoall or allgather) that permutes with our kernels."""
+    methods = {name: _with_fused_permute(getattr(base, name)) for name in _PERMUTING_METHODS[base]}
+    return type(f"FusedPermute{base.__name__}", (base,), {"__module__": __name__, **methods})
+
+
 class GLM5MoELayer(MoELayer):
     """megatron-core's MoELayer; with ``moe_token_dispatcher_type == "hybridep"`` the layer runs on a copy of
     the config that names what it really uses: ``flex`` + ``moe_flex_dispatcher_backend="hybridep"`` (DeepEP)
-    or ``alltoall`` with the dispatcher replaced by :class:`HierarchicalTokenDispatcher` (same interface)."""
+    or ``alltoall`` with the dispatcher replaced by :class:`HierarchicalTokenDispatcher` (same interface).
+    With --moe-permute-fusion an alltoall / allgather dispatcher becomes :func:`fused_permute_dispatcher`'s."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False,
                  name=None):
@@ -191,3 +252,10 @@ class GLM5MoELayer(MoELayer):
         if backend == "torch":
             self.token_dispatcher = HierarchicalTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)
+        base = type(self.token_dispatcher)
+        if base in _PERMUTING_METHODS and moe_permute_fusion_enabled(
+                getattr(self.config, "moe_triton_permute_fusion", None)):
+            self.token_dispatcher = fused_permute_dispatcher(base)(
+                self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)
+            if self.shared_expert_overlap:
+                self.token_dispatcher.set_shared_experts(self.shared_experts)
