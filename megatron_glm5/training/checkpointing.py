@@ -150,9 +150,27 @@ def _os_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def _write_error(exc: BaseException, partial: str, root: str) -> CheckpointWriteError:
+def _dir_bytes(path: str) -> int:
+    """Bytes in the files under path (0 if it is gone)."""
+    total = 0
+    for parent, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(parent, f))
+            except OSError:
+                pass
+    return total
+
+
+#: free space below which a failed write is reported as a full disk (not "disk full or a limit?")
+FULL_DISK_BYTES = 1 << 30
+
+
+def _write_error(exc: BaseException, partial: str, root: str, written: int | None = None) -> CheckpointWriteError:
     """One-line error naming the directory, the failure, and the disk's state (torch's writer reports a full
-    disk or a file-size limit as 'unexpected pos ...', without the OS error)."""
+    disk or a file-size limit as 'unexpected pos ...', and megatron-core's writer wraps a worker's OS error as
+    'Worker failure ...', both without the OS error: the free space left, and how much of the checkpoint this
+    rank had written (``written`` bytes, measured before the partial directory is removed), tell what happened)."""
     cause = _os_error(exc)
     if cause is not None:
         what = f"[Errno {cause.errno}] {os.strerror(cause.errno)}"
@@ -161,19 +179,24 @@ def _write_error(exc: BaseException, partial: str, root: str) -> CheckpointWrite
         inner = next(iter(failures.values()), None) if isinstance(failures, dict) else None
         inner = inner[0] if isinstance(inner, tuple) else inner
         what = " ".join(str(inner if inner is not None else exc).split()) or type(exc).__name__
-    disk = []
+    disk, full = [], False
     try:
-        disk.append(f"free space there: {shutil.disk_usage(root).free / 2**30:.1f} GiB")
+        free = shutil.disk_usage(root).free
+        disk.append(f"free space there: {free / 2**30:.1f} GiB")
+        full = free < FULL_DISK_BYTES
     except OSError:
         pass
+    if written is not None:
+        disk.append(f"{written / 2**30:.1f} GiB of it written by this rank before the failure")
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY:
         disk.append(f"this process's file-size limit (ulimit -f): {limit} bytes")
     good = [it for it, _ in _complete_dirs(root)]
     kept = (f"the previous checkpoint {iteration_dir(root, good[0])} is untouched" if good
             else "no earlier checkpoint exists")
-    return CheckpointWriteError(f"--save {root}: writing checkpoint {partial} failed ({what}); disk full or a "
-                                f"file-size/quota limit? ({', '.join(disk)}); nothing was promoted, {kept}")
+    diagnosis = "the disk is full" if full else "disk full or a file-size/quota limit?"
+    return CheckpointWriteError(f"--save {root}: writing checkpoint {partial} failed ({what}); {diagnosis} "
+                                f"({', '.join(disk)}); nothing was promoted, {kept}")
 
 
 def _complete_dirs(root: str) -> list[tuple[int, str]]:
@@ -329,8 +352,9 @@ class _PendingSave:
         except BaseException as e:  # torch's CheckpointException is a BaseException
             if not _is_write_failure(e):
                 raise
+            written = _dir_bytes(self.partial)
             _discard_partial(self.partial)
-            raise _write_error(e, self.partial, self.root) from e
+            raise _write_error(e, self.partial, self.root, written) from e
 
     def write(self):
         """Write this rank's files (no collectives: safe in a background thread)."""

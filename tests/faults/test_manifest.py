@@ -143,3 +143,23 @@ def test_write_error_names_directory_and_cause(tmp_path):
     assert isinstance(err, ck.CheckpointWriteError)
     assert msg.startswith(f"--save {tmp_path}: writing checkpoint {partial} failed ([Errno {errno.ENOSPC}] ")
     assert "free space there:" in msg and f"{tmp_path / 'iter_0000002'} is untouched" in msg
+
+
+def test_write_error_without_the_os_error_still_says_the_disk_is_full(tmp_path, monkeypatch):
+    """megatron-core's writer reports a worker's ENOSPC as 'Worker failure ...' with no OS error attached: the
+    message then rests on the free space (nearly none: 'the disk is full') and the bytes written before it."""
+    import collections
+    import shutil
+
+    partial = tmp_path / "iter_0000004.partial"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"x" * (3 << 20))
+    written = ck._dir_bytes(str(partial))
+    assert written == 3 << 20
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(100 << 30, (100 << 30) - (5 << 20), 5 << 20))
+    msg = str(ck._write_error(RuntimeError("Worker failure: RuntimeError"), str(partial), str(tmp_path), written))
+    assert "Worker failure: RuntimeError); the disk is full (free space there: 0.0 GiB, 0.0 GiB of it" in msg
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(100 << 30, 50 << 30, 50 << 30))
+    msg = str(ck._write_error(RuntimeError("Worker failure: RuntimeError"), str(partial), str(tmp_path), 7 << 30))
+    assert "disk full or a file-size/quota limit? (free space there: 50.0 GiB, 7.0 GiB of it written" in msg
