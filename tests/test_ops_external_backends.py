@@ -10,12 +10,14 @@ GPU (@pytest.mark.gpu): the real libraries, when importable, at GLM-5 shapes aga
 """
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
 import types
 
 import pytest
+
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -282,6 +284,23 @@ def test_cudnn_indexer_topk_matches_reference_exactly(fakes, layout, topk, chunk
     got = CudnnBackend().indexer_topk(qi, ki, w, topk, ks, qe, 0.25, chunk_size=chunk)
     want = reference.indexer_topk(qi, ki, w, topk, ks, qe, 0.25)
     assert got.dtype == torch.int32 and torch.equal(got, want)  # same keys, order, tie rule and -1 padding
+
+
+def test_cudnn_logs_each_new_shape_once(fakes, monkeypatch, caplog):
+    """cuDNN JIT-compiles per problem shape (seconds): the first call of each shape says so, repeats do not."""
+    from megatron_glm5.ops import cudnn_backend
+
+    monkeypatch.setattr(cudnn_backend, "_SEEN_SHAPES", set())
+    ks, qe, n_k = LAYOUTS["packed"]()
+    qi, ki, w = torch.randn(ks.numel(), 16, 128), torch.randn(n_k, 128), torch.randn(ks.numel(), 16)
+    with caplog.at_level(logging.INFO, logger="megatron_glm5.ops"):
+        CudnnBackend().indexer_topk(qi, ki, w, 5, ks, qe, 0.25, chunk_size=1024)
+        first = [r.getMessage() for r in caplog.records if "JIT-compiles" in r.getMessage()]
+        caplog.clear()
+        CudnnBackend().indexer_topk(qi, ki, w, 5, ks, qe, 0.25, chunk_size=1024)
+        again = [r.getMessage() for r in caplog.records if "JIT-compiles" in r.getMessage()]
+    assert first and all(m.startswith("cuDNN DSA indexer top-k: first call with shape") for m in first)
+    assert len(set(first)) == len(first) and again == []
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ nvidia-cutlass-dsl 4.8.1; the GPU tests there: 4 passed on 2026-11-30).
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Optional
 
 import torch
@@ -78,6 +79,22 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+logger = logging.getLogger("megatron_glm5.ops")
+_SEEN_SHAPES: set = set()
+
+
+def note_new_shape(op: str, shape: tuple) -> bool:
+    """Logs, once per (op, shape), that cuDNN JIT-compiles its kernels for a new problem shape (the first training
+    iterations of --attn cudnn take seconds, not milliseconds, for this reason); True the first time."""
+    key = (op, tuple(shape))
+    if key in _SEEN_SHAPES:
+        return False
+    _SEEN_SHAPES.add(key)
+    logger.info("cuDNN DSA %s: first call with shape %s: cuDNN JIT-compiles kernels for it (once per shape; "
+                "seconds)", op, tuple(shape))
+    return True
+
+
 def _normalize_indices(indices: torch.Tensor, n_keys: int) -> torch.Tensor:
     """int32, every slot outside [0, n_keys) set to -1 (the cuDNN backward only skips negative entries safely)."""
     idx = indices.to(torch.int32)
@@ -89,6 +106,7 @@ def cudnn_sparse_backward(q, kv, indices, out, lse, d_out, softmax_scale):
     dsa = import_dsa()
     lse_c = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse).float().contiguous()
     sink = torch.full((q.shape[1],), float("-inf"), dtype=torch.float32, device=q.device)
+    note_new_shape("sparse backward", (*q.shape, kv.shape[0], indices.shape[1]))
     res = dsa.sparse_attention_backward_wrapper(
         q.contiguous(), kv.contiguous(), out.contiguous(), d_out.to(q.dtype).contiguous(), lse_c, sink,
         flashmla_backend.pad_topk(indices), softmax_scale=float(softmax_scale))
@@ -205,6 +223,7 @@ class CudnnBackend(TritonBackend):
         scores = scores.masked_fill(~inside, float("-inf")).contiguous()
         k_sel = min(topk, n_cols)
         seq_lens = torch.full((rows,), n_cols, dtype=torch.int32, device=dev)
+        note_new_shape("indexer top-k", (rows, n_cols, q.shape[2], k_sel))
         res = dsa.indexer_top_k_wrapper(scores, seq_lens, top_k=k_sel, deterministic=True)
         cols, vals = res["indices"].long(), res["values"].float()
         order = torch.sort(-vals, dim=1, stable=True).indices  # descending score; ties keep ascending columns
