@@ -1,13 +1,12 @@
-"""Tests of ``--attn tilelang`` (megatron_glm5/ops/tilelang_sparse_mla.py: our TileLang sparse MLA forward with the
-Triton backward).
+"""Tests of ``--attn tilelang`` (megatron_glm5/ops/tilelang_sparse_mla.py and tilelang_sparse_mla_bwd.py: our
+TileLang sparse MLA forward and backward).
 
-CPU, without tilelang: the registry's messages, the fallback to the Triton backend for shapes the kernel does not
-take, and the host-side wrapper (head / top-k padding, unpadding, out / lse buffers) around a stand-in kernel that
-implements the kernel's contract with the torch reference.
-CPU, with tilelang installed: the kernel lowers to CUDA source for sm_90a (and compiles with nvcc when one is on
-PATH) -- no GPU needed.
-GPU (@pytest.mark.gpu): the real kernel at GLM-5 shapes against the fp32 reference, outputs poisoned with NaN first,
-and dq / dkv through the Triton backward.
+CPU, without tilelang: the registry's messages, the fallback to the Triton backend for shapes the kernels do not
+take (and, for the backward, deterministic mode), and the host-side wrappers (head / top-k padding, unpadding, out /
+lse / dq buffers, d_lse) around stand-in kernels that implement the kernels' contracts in plain torch.
+CPU, with tilelang installed: both kernels lower to CUDA source for sm_90a (and compile with nvcc when one is on
+PATH; the backward's shared memory is checked against the H200's 227 KB) -- no GPU needed.
+GPU (@pytest.mark.gpu): the real kernels at GLM-5 shapes against the fp32 reference, outputs poisoned with NaN first.
 """
 
 import importlib.util
@@ -22,7 +21,9 @@ import torch
 
 from megatron_glm5.ops import backends, flashmla_backend, reference
 from megatron_glm5.ops import tilelang_sparse_mla as tlm
+from megatron_glm5.ops import tilelang_sparse_mla_bwd as tlb
 from megatron_glm5.ops.tilelang_sparse_mla import TILELANG_INSTALL, TilelangBackend
+from test_ops_triton import rel_l2
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -56,6 +57,18 @@ def test_missing_tilelang_names_the_install_command(monkeypatch):
     assert str(e.value) == f"--attn tilelang needs the tilelang package: {TILELANG_INSTALL}"
     assert TILELANG_INSTALL == "pip install 'megatron-glm5[tilelang]'"
     assert backends.get_backend("auto").name != "tilelang"
+
+
+def test_auto_prefers_tilelang_after_cudnn(monkeypatch):
+    """--attn auto's order is the measured one (proxy step on the H200): cudnn, tilelang, flashmla, triton."""
+    avail = {"cudnn": False, "tilelang": True, "flashmla": True, "triton": True}
+    for name, ok in avail.items():
+        monkeypatch.setattr(backends.BACKENDS[name], "available", lambda ok=ok: ok)
+    assert backends.get_backend("auto").name == "tilelang"
+    monkeypatch.setattr(backends.BACKENDS["tilelang"], "available", lambda: False)
+    assert backends.get_backend("auto").name == "flashmla"
+    monkeypatch.setattr(backends.BACKENDS["cudnn"], "available", lambda: True)
+    assert backends.get_backend("auto").name == "cudnn"
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
@@ -135,6 +148,7 @@ def test_wrapper_pads_heads_and_topk_and_matches_reference(monkeypatch, heads, t
     assert made[h_pad, -(-topk // 64) * 64].calls == 2
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 def test_supported_shapes_take_the_tilelang_forward(monkeypatch):
     seen = []
 
@@ -150,6 +164,138 @@ def test_supported_shapes_take_the_tilelang_forward(monkeypatch):
     assert seen == [((4, 8, DQK), 0.2, DV)] and out.dtype == torch.bfloat16 and lse.shape == (4, 8)
 
 
+class StandInBwdKernel:
+    """The backward kernel's contract in plain torch, computed from what it is given (p from the given lse, -inf =
+    no keys; Delta = rowsum(out * d_out) - d_lse; unused slots add nothing); checks what the wrapper passes, writes
+    dq and adds into the fp32 dkv buffer."""
+
+    def __init__(self, heads, d_v, d_rope, topk, scale, cfg):
+        assert heads % tlm.HEAD_BLOCK == 0 and topk % cfg["block_n"] == 0 and d_v % cfg["dkv_cols"] == 0
+        self.heads, self.d_v, self.topk, self.scale = heads, d_v, topk, scale
+        self.calls = 0
+
+    def __call__(self, q, kv, idx, out, d_out, lse, d_lse, dq, dkv):
+        n_q, n_kv = q.shape[0], kv.shape[0]
+        assert q.shape[1] == out.shape[1] == d_out.shape[1] == lse.shape[1] == d_lse.shape[1] == self.heads
+        assert idx.shape == (n_q, self.topk) and idx.dtype == torch.int32
+        assert lse.dtype == d_lse.dtype == dkv.dtype == torch.float32 and dq.dtype == q.dtype == out.dtype
+        assert all(t.is_contiguous() for t in (q, kv, idx, out, d_out, lse, d_lse, dq, dkv))
+        assert dq.shape == q.shape and dkv.shape == kv.shape and not dkv.any()
+        ok = (idx >= 0) & (idx < n_kv)
+        rows = idx.long().clamp(0, n_kv - 1)
+        k = kv.float()[rows]  # [T, K, D]
+        lse_c = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+        s_ = torch.einsum("thd,tkd->thk", q.float(), k) * self.scale
+        p = torch.where(ok[:, None, :], torch.exp(s_ - lse_c[..., None]), torch.zeros_like(s_))
+        dp = torch.einsum("thv,tkv->thk", d_out.float(), k[..., :self.d_v])
+        delta = (out.float() * d_out.float()).sum(-1) - d_lse
+        ds = p * (dp - delta[..., None]) * self.scale
+        dq.copy_(torch.einsum("thk,tkd->thd", ds, k))
+        dk = torch.einsum("thk,thd->tkd", ds, q.float())
+        dk[..., :self.d_v] += torch.einsum("thk,thv->tkv", p, d_out.float())
+        dkv.index_add_(0, rows[ok], dk[ok])
+        self.calls += 1
+
+
+def _reference_grads(q, kv, idx, scale, d_out, d_lse):
+    """(out bf16, lse, dq, dkv) of the fp32 reference for the loss sum(out * d_out) + sum(lse * d_lse) (lse of
+    rows without keys excluded)."""
+    qr, kvr = q.float().requires_grad_(), kv.float().requires_grad_()
+    o, l_ = reference.sparse_mla(qr, kvr, idx.long(), scale, DV)
+    loss = (o * d_out.float()).sum()
+    if d_lse is not None:
+        loss = loss + (l_.masked_fill(torch.isneginf(l_), 0.0) * d_lse).sum()
+    loss.backward()
+    return o.detach().to(q.dtype), l_.detach(), qr.grad, kvr.grad
+
+
+@pytest.mark.parametrize("heads,topk,with_dlse,give_dq", [(16, 40, False, True), (64, 64, True, False),
+                                                          (80, 130, True, True)])
+def test_backward_wrapper_pads_and_matches_reference(monkeypatch, heads, topk, with_dlse, give_dq):
+    made = {}
+
+    def compiled(h_pad, d_v, d_rope, k_pad, scale, cfg):
+        made[h_pad, k_pad] = made.get((h_pad, k_pad)) or StandInBwdKernel(h_pad, d_v, d_rope, k_pad, scale, cfg)
+        return made[h_pad, k_pad]
+
+    monkeypatch.setattr(tlb, "_compiled", compiled)
+    q, kv, idx = _inputs(6, 9, heads, topk, seed=10 + heads, empty_rows=(4,))
+    gen = torch.Generator().manual_seed(heads)
+    d_out = torch.randn(6, heads, DV, generator=gen).bfloat16()
+    d_lse = torch.randn(6, heads, generator=gen) if with_dlse else None
+    out, lse, want_dq, want_dkv = _reference_grads(q, kv, idx, 0.05, d_out, d_lse)
+    dq = torch.full_like(q, float("nan")) if give_dq else None
+    got_dq, got_dkv = tlb.tilelang_sparse_bwd(q, kv, idx, out, lse, d_out, d_lse, 0.05, DV, deterministic=False,
+                                              dq=dq)
+    assert list(made) == [(-(-heads // 64) * 64, -(-topk // 32) * 32)] and made[list(made)[0]].calls == 1
+    assert got_dq.shape == q.shape and got_dq.dtype == q.dtype and got_dkv.shape == kv.shape
+    assert got_dkv.dtype == kv.dtype
+    if give_dq:
+        assert got_dq.data_ptr() == dq.data_ptr()
+    assert not got_dq.isnan().any() and (got_dq[4] == 0).all()  # the row without keys: no gradient
+    errs = rel_l2(got_dq, want_dq), rel_l2(got_dkv, want_dkv)
+    assert max(errs) <= 1e-2, errs
+
+
+def _fake_triton_module(monkeypatch, calls, deterministic_default=False):
+    """A stand-in megatron_glm5.ops.triton_sparse_mla whose sparse_mla_bwd records its call (the Triton backward
+    cannot run on a CPU-only machine without the interpreter)."""
+    import megatron_glm5.ops as ops_pkg
+
+    fake = type(sys)("megatron_glm5.ops.triton_sparse_mla")
+    fake.deterministic_default = lambda: deterministic_default
+    fake.sparse_mla_bwd = lambda q, kv, *a, **k: calls.append((q.dtype, a[-1] if len(a) > 7 else None)) or (
+        torch.zeros_like(q), torch.zeros_like(kv))
+    monkeypatch.setitem(sys.modules, "megatron_glm5.ops.triton_sparse_mla", fake)
+    monkeypatch.setattr(ops_pkg, "triton_sparse_mla", fake, raising=False)
+
+
+def test_backward_falls_back_to_triton_for_deterministic_mode_and_unsupported_shapes(monkeypatch, caplog):
+    calls = []
+    _fake_triton_module(monkeypatch, calls)
+    monkeypatch.setattr(tlb, "_compiled", lambda *a: pytest.fail("the TileLang backward kernel was called"))
+    monkeypatch.setattr(flashmla_backend, "_warned", set())
+    q, kv, idx = _inputs(3, 5, 16, 4, seed=1)
+    d_out = torch.ones(3, 16, DV, dtype=torch.bfloat16)
+    out, lse = torch.zeros(3, 16, DV, dtype=torch.bfloat16), torch.zeros(3, 16)
+    with caplog.at_level(logging.WARNING, logger="megatron_glm5.ops"):
+        for _ in range(2):  # logged once per reason
+            tlb.tilelang_sparse_bwd(q, kv, idx, out, lse, d_out, None, 0.1, DV, True)
+            tlb.tilelang_sparse_bwd(q.float(), kv.float(), idx, out, lse, d_out, None, 0.1, DV, False)
+        _fake_triton_module(monkeypatch, calls, deterministic_default=True)  # GLM5_TRITON_DETERMINISTIC=1
+        tlb.tilelang_sparse_bwd(q, kv, idx, out, lse, d_out, None, 0.1, DV, None)
+    assert calls == [(torch.bfloat16, True), (torch.float32, False)] * 2 + [(torch.bfloat16, None)]
+    text = caplog.text
+    assert text.count("--attn tilelang: the TileLang backward has no deterministic dkv reduction (deterministic "
+                      "mode); using the Triton backend for this op") == 1
+    assert text.count("--attn tilelang: the TileLang backward is bf16 only (got torch.float32 / torch.float32); "
+                      "using the Triton backend for this op") == 1
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
+def test_backend_autograd_uses_both_tilelang_kernels(monkeypatch):
+    def fake_fwd(q, kv, indices, scale, d_v):
+        o, l_ = reference.sparse_mla(q.float(), kv.float(), indices.long(), scale, d_v)
+        return o.to(q.dtype), l_
+
+    made = []
+
+    def compiled(*args):
+        made.append(StandInBwdKernel(*args))
+        return made[-1]
+
+    monkeypatch.setattr(tlm, "tilelang_sparse_fwd", fake_fwd)
+    monkeypatch.setattr(tlb, "_compiled", compiled)
+    q, kv, idx = _inputs(5, 8, 64, 12, seed=4, empty_rows=(1,))
+    d_out = torch.randn(5, 64, DV, generator=torch.Generator().manual_seed(4)).bfloat16()
+    _, _, want_dq, want_dkv = _reference_grads(q, kv, idx, 0.07, d_out, None)
+    qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    o, _ = TilelangBackend(deterministic=False).sparse_mla(qg, kvg, idx, 0.07, DV)
+    (o.float() * d_out.float()).sum().backward()
+    assert len(made) == 1 and made[0].calls == 1
+    assert rel_l2(qg.grad, want_dq) <= 1e-2 and rel_l2(kvg.grad, want_dkv) <= 1e-2
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # CPU with tilelang installed: lower to CUDA source (no GPU needed), nvcc when present
 # ----------------------------------------------------------------------------------------------------------------------
@@ -158,24 +304,62 @@ def test_supported_shapes_take_the_tilelang_forward(monkeypatch):
 CONFIGS = {"default": tlm.FWD_CONFIG, "pipelined": tlm.PIPELINED_CONFIG}
 
 
-@pytest.mark.skipif(not HAS_TILELANG, reason="tilelang is not installed (pip install 'megatron-glm5[tilelang]')")
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_kernel_lowers_to_cuda_for_sm90a(tmp_path, config):
-    src = tlm.lower_to_cuda(tlm.build_sparse_fwd(64, DV, 64, 2048, DQK ** -0.5, **CONFIGS[config]))
-    assert "sparse_mla_fwd_kernel" in src and "wgmma" in src  # Hopper tensor-core MMA for both products
-    assert ("cp_async" in src) == (config == "pipelined")  # the pipelined gather is asynchronous
+needs_tilelang = pytest.mark.skipif(not HAS_TILELANG,
+                                    reason="tilelang is not installed (pip install 'megatron-glm5[tilelang]')")
+H200_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block may opt into on the H200 (sm_90)
+
+
+def nvcc_cubin(tmp_path, src):
+    """Compiles lowered CUDA source to an sm_90a cubin with nvcc; ptxas's -v report, or None without nvcc."""
     nvcc = shutil.which("nvcc")
     if nvcc is None:
-        return
+        return None
     import tilelang.env as tl_env
 
     (tmp_path / "k.cu").write_text(src)
-    cmd = [nvcc, "-std=c++20", "-O3", "-w", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a",
+    cmd = [nvcc, "-std=c++20", "-O3", "-w", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", "-Xptxas", "-v",
            f"-I{tl_env.TILELANG_TEMPLATE_PATH}", f"-I{tl_env.CUTLASS_INCLUDE_DIR}", "-DENABLE_BF16",
            "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert os.path.getsize(tmp_path / "k.cubin") > 0
+    return res.stdout + res.stderr
+
+
+@needs_tilelang
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_kernel_lowers_to_cuda_for_sm90a(tmp_path, config):
+    src = tlm.lower_to_cuda(tlm.build_sparse_fwd(64, DV, 64, 2048, DQK ** -0.5, **CONFIGS[config]))
+    assert "sparse_mla_fwd_kernel" in src and "wgmma" in src  # Hopper tensor-core MMA for both products
+    assert ("cp_async" in src) == (config == "pipelined")  # the pipelined gather is asynchronous
+    nvcc_cubin(tmp_path, src)
+
+
+BWD_CONFIGS = {"default": tlb.BWD_CONFIG, "narrow": tlb.NARROW_BWD_CONFIG}
+
+
+@needs_tilelang
+@pytest.mark.parametrize("config", list(BWD_CONFIGS))
+def test_backward_kernel_lowers_to_cuda_for_sm90a(tmp_path, config):
+    art = tlm.lower_artifact(tlb.build_sparse_bwd(64, DV, 64, 2048, DQK ** -0.5, **BWD_CONFIGS[config]))
+    src = art.kernel_source
+    assert "sparse_mla_bwd_kernel" in src and "wgmma" in src
+    assert "AtomicAdd" in src  # dkv: fp32 atomic adds into the [Tk, D] buffer
+    smem = tlm.dynamic_shared_bytes(art)
+    # q, d_out (64 heads) and the gathered kv rows stay in shared memory: at least their bytes, at most the H200's
+    assert 2 * (2 * 64 * DQK + BWD_CONFIGS[config]["block_n"] * DQK) <= smem <= H200_SHARED_BYTES, smem
+    report = nvcc_cubin(tmp_path, src)
+    if report is not None:
+        print(f"{config}: {smem} bytes of shared memory; ptxas: "
+              + " | ".join(line.split(":", 1)[-1].strip() for line in report.splitlines() if "Used" in line
+                           or "spill" in line))
+
+
+def test_backward_builder_rejects_sizes_it_cannot_tile():
+    for kw in (dict(heads=48), dict(topk=100), dict(d_v=384, dkv_cols=256)):
+        args = dict(dict(heads=64, d_v=DV, d_rope=64, topk=2048, softmax_scale=0.1), **kw)
+        with pytest.raises(ValueError, match="must be a multiple of 64"):
+            tlb.build_sparse_bwd(**args)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -193,7 +377,7 @@ S_GPU, TOPK = 4096, 2048
 @needs_gpu_tilelang
 @pytest.mark.parametrize("layout", ["causal", "packed"])
 def test_gpu_tilelang_sparse_mla_real_shapes(layout):
-    from test_ops_triton import gpu_sparse_problem, rel_l2
+    from test_ops_triton import gpu_sparse_problem
 
     pr = gpu_sparse_problem(layout, seed=21)
     q, kv, idx, d_out, scale, out, lse = pr.q, pr.kv, pr.idx, pr.d_out, pr.scale, pr.nan_out, pr.nan_lse
@@ -206,9 +390,9 @@ def test_gpu_tilelang_sparse_mla_real_shapes(layout):
     tlm.tilelang_sparse_fwd(q, kv, idx, scale, DV, config=tlm.PIPELINED_CONFIG, out=o_p, lse=l_p)
     assert not o_p.isnan().any() and not l_p.isnan().any()
     assert rel_l2(o_p, ro) <= 1e-2 and rel_l2(l_p, rl) <= 1e-2, ("pipelined", rel_l2(o_p, ro), rel_l2(l_p, rl))
-    # through the backend: TileLang forward, Triton backward
+    # through the backend: TileLang forward and backward
     qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
-    o2, l2 = TilelangBackend().sparse_mla(qg, kvg, idx, scale, DV)
+    o2, l2 = TilelangBackend(deterministic=False).sparse_mla(qg, kvg, idx, scale, DV)
     (o2 * d_out).sum().backward()
     assert torch.equal(o2, out) and torch.equal(l2, lse)  # same kernel, same inputs
     for key, got, want in (("dq", qg.grad, pr.dq), ("dkv", kvg.grad, pr.dkv)):
@@ -220,8 +404,6 @@ def test_gpu_tilelang_sparse_mla_real_shapes(layout):
 @needs_gpu_tilelang
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_gpu_tilelang_padded_heads_and_rows_without_keys(config):
-    from test_ops_triton import rel_l2
-
     q, kv, idx = _inputs(300, 500, 16, 200, seed=5, empty_rows=(0, 7, 299))
     q, kv, idx = q.cuda(), kv.cuda(), idx.cuda()
     out = torch.full((300, 16, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -233,3 +415,43 @@ def test_gpu_tilelang_padded_heads_and_rows_without_keys(config):
     assert torch.isneginf(lse[empty]).all() and (out[empty] == 0).all()
     assert not out.isnan().any() and not lse[~empty].isinf().any()
     assert rel_l2(out, ro) <= 1e-2 and rel_l2(lse[~empty], rl[~empty]) <= 1e-2
+
+
+@gpu
+@needs_gpu_tilelang
+@pytest.mark.parametrize("layout,config", [("causal", "default"), ("packed", "default"), ("causal", "narrow")])
+def test_gpu_tilelang_backward_real_shapes(layout, config):
+    from test_ops_triton import gpu_sparse_problem
+
+    pr = gpu_sparse_problem(layout, seed=22)
+    q, kv, idx, d_out, scale = pr.q, pr.kv, pr.idx, pr.d_out, pr.scale
+    out, lse = tlm.tilelang_sparse_fwd(q, kv, idx, scale, DV)
+    dq = torch.full_like(q, float("nan"))
+    got_dq, got_dkv = tlb.tilelang_sparse_bwd(q, kv, idx, out, lse, d_out, None, scale, DV, deterministic=False,
+                                              config=BWD_CONFIGS[config], dq=dq)
+    assert got_dq.data_ptr() == dq.data_ptr() and got_dkv.dtype == kv.dtype
+    for key, got, want in (("dq", got_dq, pr.dq), ("dkv", got_dkv, pr.dkv)):
+        assert not got.isnan().any(), key
+        assert rel_l2(got, want) <= 1e-2, (key, config, rel_l2(got, want))
+
+
+@gpu
+@needs_gpu_tilelang
+@pytest.mark.parametrize("config", list(BWD_CONFIGS))
+def test_gpu_tilelang_backward_padded_heads_rows_without_keys_and_lse_gradient(config):
+    empty = (0, 7, 299)
+    q, kv, idx = (t.cuda() for t in _inputs(300, 500, 16, 200, seed=6, empty_rows=empty))
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    d_out = torch.randn(300, 16, DV, device="cuda", generator=gen).bfloat16()
+    d_lse = torch.randn(300, 16, device="cuda", generator=gen)
+    out, lse, want_dq, want_dkv = _reference_grads(q, kv, idx, 0.04, d_out, d_lse)
+    for dl, label in ((d_lse, "with d_lse"), (None, "without d_lse")):
+        if dl is None:
+            _, _, want_dq, want_dkv = _reference_grads(q, kv, idx, 0.04, d_out, None)
+        dq = torch.full_like(q, float("nan"))
+        got_dq, got_dkv = tlb.tilelang_sparse_bwd(q, kv, idx, out, lse, d_out, dl, 0.04, DV, deterministic=False,
+                                                  config=BWD_CONFIGS[config], dq=dq)
+        assert not got_dq.isnan().any() and not got_dkv.isnan().any(), label
+        assert (got_dq[list(empty)] == 0).all(), label  # rows without keys: no gradient
+        assert rel_l2(got_dq, want_dq) <= 1e-2 and rel_l2(got_dkv, want_dkv) <= 1e-2, (
+            label, rel_l2(got_dq, want_dq), rel_l2(got_dkv, want_dkv))

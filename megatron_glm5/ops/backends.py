@@ -263,9 +263,10 @@ BACKENDS: Dict[str, AttentionBackend] = {
 }
 
 #: order in which "auto" tries backends (fastest first); only implemented, available ones are chosen
-# fastest first (measured on the H200, docs/performance.md): cudnn (cuDNN backward, FlashMLA forward when
-# installed), flashmla (FlashMLA forward, Triton backward), triton
-AUTO_PREFERENCE = ("cudnn", "flashmla", "triton", "tilelang", "torch")
+# fastest first, by the 4-layer GLM-5 proxy's training step on the H200 at seq 4096 (docs/performance.md): cudnn
+# (cuDNN backward, FlashMLA forward when installed) 228 ms, tilelang (all TileLang but the fused KL kernel) 279,
+# flashmla (FlashMLA forward, Triton backward) 336, triton 346
+AUTO_PREFERENCE = ("cudnn", "tilelang", "flashmla", "triton", "torch")
 
 _ALIASES = {"flash_mla": "flashmla", "flash-mla": "flashmla", "reference": "torch"}
 _logged: Set[str] = set()

@@ -1,4 +1,4 @@
-"""``--attn tilelang``: our TileLang sparse MLA forward (out, lse) with the Triton backward.
+"""``--attn tilelang``: our TileLang sparse MLA forward (out, lse); the backward is ours too (tilelang_sparse_mla_bwd).
 
 Semantics are those of ``triton_sparse_mla.sparse_mla_fwd``: q [T, h, D] with D = d_v + d_rope (GLM-5: 512 latent +
 64 rope; the latent part of kv is also V), kv [Tk, D] shared by all heads, indices [T, K] int (-1 or >= Tk: unused).
@@ -17,15 +17,21 @@ are dynamic in the compiled kernel; one kernel is compiled lazily per (heads, d_
 config) and cached.
 Two configurations: FWD_CONFIG (the default; a plain loop, 64 rows per step) and PIPELINED_CONFIG (T.Pipelined, two
 stages: the cp.async gather of the next 32 rows overlaps this block's math).  ptxas for sm_90a: 215 registers, no
-spills (default); 255 registers, 4 bytes spilled (pipelined).  Which is faster is not measured yet.
+spills (default); 255 registers, 4 bytes spilled (pipelined).  On the H200 the default is faster (246 vs 200
+TFLOP/s at S 4096; docs/performance.md).
 
-Backward: ``triton_sparse_mla.sparse_mla_bwd`` through ``triton_sparse_mla.sparse_mla``'s autograd Function (with
-this forward plugged in).  indexer_topk / indexer_kl_loss and every shape the kernel does not take (non-bf16, d_v or d_rope
-not a power of two) are the Triton backend's, with a warning logged once per reason.
+Backward: our TileLang kernel, ``tilelang_sparse_mla_bwd.tilelang_sparse_bwd`` (see that module), through
+``triton_sparse_mla.sparse_mla``'s autograd Function with both of ours plugged in; in deterministic mode the
+backward is ``triton_sparse_mla.sparse_mla_bwd`` (logged once).  indexer_topk: ``tilelang_indexer`` (our scoring
+kernel + the Triton backend's exact top-k).  indexer_kl_loss: the target's head sums are ours (``tilelang_kl``, one
+pass with the forward's lse), the fused indexer side of the loss is Triton's.  Every shape the kernels do not take
+(non-bf16, d_v or d_rope not a power of two; for the KL target also a missing lse) is the Triton backend's, with a
+warning logged once per reason.  ``lower_artifact`` / ``lower_to_cuda`` / ``dynamic_shared_bytes`` lower any of
+the kernels without a GPU.
 
 Verified: on a CPU-only machine with tilelang 0.1.15, both configurations lower to CUDA source for sm_90a and that
-source compiles with nvcc 13.0 to a cubin (``lower_to_cuda``; tests/test_ops_tilelang.py).  Not yet run on a GPU:
-the GPU tests in tests/test_ops_tilelang.py compare it with the torch reference when tilelang and CUDA are present.
+source compiles with nvcc 13.0 to a cubin (``lower_to_cuda``; tests/test_ops_tilelang.py).  On the H200
+(2026-11-30) the GPU tests in tests/test_ops_tilelang.py pass against the fp32 torch reference.
 """
 
 # no ``from __future__ import annotations``: TileLang evaluates the kernel's annotations (closure sizes) eagerly
@@ -36,13 +42,13 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .backends import TritonBackend
+from .backends import TritonBackend, _pow2_split
 from .flashmla_backend import _triton_backward_reason, pad_topk, warn_once
 
 logger = logging.getLogger("megatron_glm5.ops")
 
-__all__ = ["TilelangBackend", "build_sparse_fwd", "lower_to_cuda", "tilelang_sparse_fwd",
-           "tilelang_unsupported_reason", "TILELANG_INSTALL", "FWD_CONFIG", "PIPELINED_CONFIG"]
+__all__ = ["TilelangBackend", "build_sparse_fwd", "dynamic_shared_bytes", "lower_artifact", "lower_to_cuda",
+           "tilelang_sparse_fwd", "tilelang_unsupported_reason", "TILELANG_INSTALL", "FWD_CONFIG", "PIPELINED_CONFIG"]
 
 TILELANG_INSTALL = "pip install 'megatron-glm5[tilelang]'"
 LOG2E = 1.4426950408889634
@@ -163,14 +169,26 @@ def cuda_target(arch: str = "sm_90a") -> dict:
     return {"kind": "cuda", "arch": arch}
 
 
-def lower_to_cuda(prim_func, arch: str = "sm_90a") -> str:
-    """CUDA C++ source of a prim_func for ``arch`` -- needs no GPU (used to inspect / nvcc-check the kernel)."""
+def lower_artifact(prim_func, arch: str = "sm_90a"):
+    """``tilelang.lower``'s result for ``arch`` (kernel_source, host / device IR) -- needs no GPU."""
     import tilelang
     from tilelang import tvm
 
     target = tvm.target.Target(cuda_target(arch))
     with target:
-        return tilelang.lower(prim_func, target=target).kernel_source
+        return tilelang.lower(prim_func, target=target)
+
+
+def lower_to_cuda(prim_func, arch: str = "sm_90a") -> str:
+    """CUDA C++ source of a prim_func for ``arch`` -- needs no GPU (used to inspect / nvcc-check the kernel)."""
+    return lower_artifact(prim_func, arch).kernel_source
+
+
+def dynamic_shared_bytes(artifact) -> int:
+    """Dynamic shared memory (bytes) a lowered artifact's kernels request at launch (the largest of them)."""
+    sizes = [int(f.attrs["dyn_shared_memory_buf"]) for f in artifact.device_mod.functions.values()
+             if f.attrs is not None and "dyn_shared_memory_buf" in f.attrs]
+    return max(sizes, default=0)
 
 
 def _compiled(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, cfg: dict):
@@ -227,11 +245,13 @@ def tilelang_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> 
 
 
 class TilelangBackend(TritonBackend):
-    """Our TileLang sparse forward + the Triton backward; the indexer ops are the Triton backend's."""
+    """Our TileLang sparse forward and backward (``tilelang_sparse_mla_bwd``) and KL target (``tilelang_kl``); the
+    KL loss's indexer side, the deterministic backward and the shapes the kernels do not take are the Triton
+    backend's."""
 
     name = "tilelang"
     implemented = True
-    triton_role = "for the backward"
+    triton_role = "(KL loss's indexer side, deterministic backward, fallbacks)"
 
     def __init__(self, deterministic: Optional[bool] = None):
         super().__init__(deterministic)
@@ -245,13 +265,47 @@ class TilelangBackend(TritonBackend):
     def library_missing(self) -> Optional[str]:
         return None if self.has_tilelang() else f"--attn tilelang needs the tilelang package: {TILELANG_INSTALL}"
 
+    def indexer_topk(self, q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=1024):
+        from . import tilelang_indexer  # our TileLang scores + the shared exact top-k (tilelang_indexer.py)
+
+        why = tilelang_indexer.indexer_unsupported_reason(q_idx, k_idx)
+        if why is None:
+            return tilelang_indexer.tilelang_indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end,
+                                                          softmax_scale)
+        warn_once(self.name, why)
+        return super().indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size)
+
     def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
         if indices is not None:
             why = tilelang_unsupported_reason(q, kv, d_v) or _triton_backward_reason(q, d_v)
             if why is None:
                 from . import triton_sparse_mla
+                from .tilelang_sparse_mla_bwd import tilelang_sparse_bwd
 
                 return triton_sparse_mla.sparse_mla(q, kv, indices, softmax_scale, d_v, self.deterministic,
-                                                    forward_fn=tilelang_sparse_fwd)
+                                                    forward_fn=tilelang_sparse_fwd, backward_fn=tilelang_sparse_bwd)
             warn_once(self.name, why)
         return super().sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
+
+    def indexer_kl_loss(
+        self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
+    ):
+        split = _pow2_split(q.shape[-1])
+        d_i = q_idx.shape[-1]
+        args = (q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end)
+        kw = dict(indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
+                  attn_lse=attn_lse)
+        if indices is None or split is None or d_i & (d_i - 1):  # the Triton backend's own torch fallbacks
+            return super().indexer_kl_loss(*args, **kw)
+        from . import tilelang_kl, triton_kl  # our one-pass head sums (the target); the indexer side is Triton's
+
+        why = tilelang_kl.head_probs_unsupported_reason(q, kv, indices, split[0], attn_lse)
+        if why is not None:
+            warn_once(self.name, why)
+            return super().indexer_kl_loss(*args, **kw)
+        return triton_kl.indexer_kl_loss_sparse(
+            q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, indices, split[0],
+            token_mask=token_mask, head_sum_reduce=head_sum_reduce, attn_lse=attn_lse,
+            deterministic=self.deterministic, head_probs=tilelang_kl.tilelang_head_summed_probs,
+        )

@@ -11,6 +11,9 @@ matrix is never built: a chunk holds [rows, hi - lo + 1] int64 keys, rows bounde
 distinct, so ``torch.topk`` on them is exact and deterministic, and its sorted output is the reference's order
 (descending score, ties -> smaller row).  -0.0 scores are written as +0.0 so that equal scores tie.
 Slots beyond a query's window size are -1, as in the reference.
+
+``chunked_topk`` is that chunking / top-k driver with the scoring kernel as a parameter (``score_keys`` fills one
+chunk's key buffer); ``indexer_topk`` plugs in the Triton kernel, ``tilelang_indexer`` its TileLang kernel.
 """
 
 from __future__ import annotations
@@ -68,28 +71,29 @@ def _score_keys_kernel(
         tl.store(OUT + r * stride_ot + rel, key, mask=inside)
 
 
-@torch.no_grad()
-def indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=None,
-                 config=None):
-    """Same contract as ``reference.indexer_topk``: int32 [T, topk], -1 padded."""
+def check_shapes(q_idx, k_idx, weights):
     if q_idx.dim() != 3 or k_idx.dim() != 2 or weights.dim() != 2:
         raise ValueError("expected q_idx [T, Hi, Di], k_idx [Tk, Di], weights [T, Hi]")
-    n_q, n_heads, d_i = q_idx.shape
-    if d_i & (d_i - 1):
-        raise ValueError(f"triton indexer_topk needs a power-of-two index head dim (got {d_i}); use --attn torch")
-    n_k = k_idx.shape[0]
+
+
+@torch.no_grad()
+def chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys):
+    """Same contract as ``reference.indexer_topk`` (int32 [T, topk], -1 padded) for any scoring kernel.
+
+    ``score_keys(c0, rows, lo, width, ks, qe, keys)`` must fill ``keys`` (int64 [rows, width], uninitialised) with
+    the sortable keys of queries c0 .. c0 + rows - 1 against key rows lo .. lo + width - 1 (see the module
+    docstring); ks / qe are key_start / query_end as int64 on q_idx's device.
+    """
+    check_shapes(q_idx, k_idx, weights)
+    n_q, n_k = q_idx.shape[0], k_idx.shape[0]
     topk = int(topk)
     out = torch.full((n_q, topk), -1, dtype=torch.int32, device=q_idx.device)
     if n_q == 0 or topk <= 0:
         return out
-    cfg = dict(CONFIG, **(config or {}))
     win = windows(key_start, query_end, n_q, n_k)
     n_valid = win.n_valid_on(q_idx.device)
-    q_idx, k_idx, weights = q_idx.contiguous(), k_idx.contiguous(), weights.contiguous()
     ks = key_start.to(device=q_idx.device, dtype=torch.int64).contiguous()
     qe = query_end.to(device=q_idx.device, dtype=torch.int64).contiguous()
-    tile = cfg["BLOCK_N"] * cfg["N_ITERS"]
-    block_h = max(16, triton.next_power_of_2(n_heads))
     c0 = 0
     while c0 < n_q:
         rows = min(MAX_ROWS, n_q - c0)
@@ -101,13 +105,7 @@ def indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scal
             rows = max(1, rows // 2)
         if width > 0:
             keys = torch.empty(rows, width, dtype=torch.int64, device=q_idx.device)
-            _score_keys_kernel[(rows, triton.cdiv(width, tile))](
-                q_idx, k_idx, weights, ks, qe, keys,
-                q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), keys.stride(0),
-                c0, lo, width, n_heads, float(softmax_scale),
-                DI=d_i, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], N_ITERS=cfg["N_ITERS"],
-                IEEE=q_idx.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            )
+            score_keys(c0, rows, lo, width, ks, qe, keys)
             k = min(topk, width)
             best = torch.topk(keys, k, dim=-1, largest=True, sorted=True).values
             pos = 4294967295 - (best & 4294967295) + lo
@@ -116,3 +114,28 @@ def indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scal
             out[c0:c0 + rows, :k] = sel.to(torch.int32)
         c0 += rows
     return out
+
+
+@torch.no_grad()
+def indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=None,
+                 config=None):
+    """Same contract as ``reference.indexer_topk``: int32 [T, topk], -1 padded."""
+    check_shapes(q_idx, k_idx, weights)
+    n_heads, d_i = q_idx.shape[1:]
+    if d_i & (d_i - 1):
+        raise ValueError(f"triton indexer_topk needs a power-of-two index head dim (got {d_i}); use --attn torch")
+    cfg = dict(CONFIG, **(config or {}))
+    q_idx, k_idx, weights = q_idx.contiguous(), k_idx.contiguous(), weights.contiguous()
+    tile = cfg["BLOCK_N"] * cfg["N_ITERS"]
+    block_h = max(16, triton.next_power_of_2(n_heads))
+
+    def score_keys(c0, rows, lo, width, ks, qe, keys):
+        _score_keys_kernel[(rows, triton.cdiv(width, tile))](
+            q_idx, k_idx, weights, ks, qe, keys,
+            q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), keys.stride(0),
+            c0, lo, width, n_heads, float(softmax_scale),
+            DI=d_i, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], N_ITERS=cfg["N_ITERS"],
+            IEEE=q_idx.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+    return chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys)
