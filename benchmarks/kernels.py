@@ -11,6 +11,8 @@ FLOP convention: sparse forward = 2 * T * h * topk * (576 + 512) (every top-k sl
 of early tokens, as FlashMLA / TileLang count); backward = 2.5 x forward.  The indexer and KL rows give times only.
 --sweep first times several block configurations of the forward and backward kernels at S = --sweep-seq and uses
 the fastest for the table.
+MoE rows (--moe-tokens, default 4096 16384): our fused token permute + unpermute (ops/triton_moe_permute.py)
+against megatron-core's unfused ops, forward and forward + backward, GB/s of hidden-row traffic.
 """
 
 from __future__ import annotations
@@ -148,7 +150,7 @@ def sweep(seq, reps, log):
     return res
 
 
-def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS):
+def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=None):
     from megatron_glm5.ops import reference, triton_indexer, triton_kl
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -164,8 +166,28 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS):
         log(f"S={seq:6d} {kernel:38s} {ms:9.2f} ms" + (
             f" {row['tflops']:7.1f} TFLOP/s ({row['pct_of_peak']:.0f}% of {peak:.0f})" if flop else ""))
 
+    from megatron_glm5.ops import tilelang_sparse_mla
+
+    has_tilelang = tilelang_sparse_mla.probe_tilelang()
+
+    def tilelang_rows(label, fn, configs, n_reps, flop=None):
+        """One row per (label suffix, config) of one of our TileLang kernels (compiled outside the timing)."""
+        for suffix, cfg in configs:
+            run = functools.partial(fn, config=cfg)
+            run()
+            add(label.format(suffix), timed(run, p.refill, n_reps), flop)
+
     add("indexer_topk (triton)", timed(lambda: triton_indexer.indexer_topk(
         p.qi, p.ki, p.w, TOPK, p.key_start, p.query_end, DI ** -0.5), p.refill, max(5, reps // 4)))
+    add("indexer_topk (torch.topk + driver, no scores)", timed(lambda: triton_indexer.chunked_topk(
+        p.qi, p.ki, p.w, TOPK, p.key_start, p.query_end, lambda *a: None), p.refill, max(5, reps // 4)))
+    if has_tilelang:  # our TileLang indexer scores + the same top-k
+        from megatron_glm5.ops import tilelang_indexer
+
+        tilelang_rows("indexer_topk (our TileLang{})", functools.partial(
+            tilelang_indexer.tilelang_indexer_topk, p.qi, p.ki, p.w, TOPK, p.key_start, p.query_end, DI ** -0.5),
+            (("", tilelang_indexer.INDEXER_CONFIG), (", pipelined", tilelang_indexer.PIPELINED_INDEXER_CONFIG)),
+            max(5, reps // 4))
     add("sparse_mla fwd (triton)", timed(lambda: tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV), p.refill,
                                          reps), p.fwd_flop)
     out, lse = tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV)
@@ -178,6 +200,12 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS):
     add("indexer KL target (head probs, fwd lse)", timed(
         lambda: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV, attn_lse=lse), p.refill,
         max(5, reps // 4)))
+    if has_tilelang:  # our TileLang one-pass head sums
+        from megatron_glm5.ops import tilelang_kl
+
+        tilelang_rows("indexer KL target (head probs, fwd lse, our TileLang{})", functools.partial(
+            tilelang_kl.tilelang_head_summed_probs, p.q, p.kv, p.indices, p.scale, DV, lse),
+            (("", tilelang_kl.PROB_CONFIG), (", plain loop", tilelang_kl.PLAIN_PROB_CONFIG)), max(5, reps // 4))
     qi, ki, w = (x.detach().requires_grad_() for x in (p.qi, p.ki, p.w))
     for det in (False, True):
         add(f"indexer KL loss fwd+grad ({'deterministic' if det else 'atomic'})", timed(
@@ -190,14 +218,17 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS):
         add("sparse_mla fwd (FlashMLA flash_mla_sparse_fwd)", timed(
             lambda: flashmla_backend.flash_mla_sparse_forward(p.q, p.kv, p.indices, p.scale, DV), p.refill, reps),
             p.fwd_flop)
-    from megatron_glm5.ops import tilelang_sparse_mla
+    if has_tilelang:  # our TileLang forward and backward
+        from megatron_glm5.ops import tilelang_sparse_mla_bwd
 
-    if tilelang_sparse_mla.probe_tilelang():  # our TileLang forward, when tilelang is installed here
-        for label, cfg in (("", tilelang_sparse_mla.FWD_CONFIG), (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG)):
-            tl_fwd = functools.partial(tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV,
-                                       config=cfg)
-            tl_fwd()  # compile outside the timing
-            add(f"sparse_mla fwd (our TileLang{label})", timed(tl_fwd, p.refill, reps), p.fwd_flop)
+        tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
+            tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV),
+            (("", tilelang_sparse_mla.FWD_CONFIG), (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG)), reps,
+            p.fwd_flop)
+        tilelang_rows("sparse_mla bwd (our TileLang, atomic{})", functools.partial(
+            tilelang_sparse_mla_bwd.tilelang_sparse_bwd, p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
+            deterministic=False), (("", tilelang_sparse_mla_bwd.BWD_CONFIG),
+                                   (", narrow", tilelang_sparse_mla_bwd.NARROW_BWD_CONFIG)), reps, 2.5 * p.fwd_flop)
     from megatron_glm5.ops import cudnn_backend
 
     try:  # peer kernels, when the cuDNN frontend's DSA imports here
@@ -212,6 +243,10 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS):
             p.refill, reps), 2.5 * p.fwd_flop)
         add("indexer_topk (cuDNN DSA)", timed(lambda: cudnn_backend.CudnnBackend().indexer_topk(
             p.qi, p.ki, p.w, TOPK, p.key_start, p.query_end, DI ** -0.5), p.refill, max(5, reps // 4)))
+    if tilelang_examples:  # peer kernels: TileLang's public deepseek_v32 examples, same inputs and timer
+        import peer_tilelang
+
+        peer_tilelang.add_rows(p, tilelang_examples, add, timed, reps, DV)
     if with_reference:
         add("sparse_mla fwd (torch reference)", timed(
             lambda: reference.sparse_mla(p.q, p.kv, p.indices, p.scale, DV), p.refill, max(3, reps // 8)),
@@ -230,6 +265,53 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS):
     return rows
 
 
+MOE_HIDDEN, MOE_EXPERTS, MOE_TOPK = 6144, 256, 8
+
+
+def bench_moe_permute(tokens, reps, log):
+    """MoE token permute + unpermute at GLM-5 sizes (hidden 6144, 256 experts, top-8, bf16 tokens, fp32 probs):
+    our fused Triton kernels (--moe-permute-fusion, row map included) against megatron-core's unfused ops.
+    GB/s counts the minimal traffic of the hidden rows: each of permute / unpermute, forward and backward, reads
+    or writes T rows once and T * top-k rows once (4 * T * (1 + topk) * hidden * 2 bytes for fwd+bwd)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_glm5.ops import triton_moe_permute
+
+    dev = "cuda"
+    x = torch.empty(tokens, MOE_HIDDEN, device=dev, dtype=torch.bfloat16)
+    grad = torch.empty_like(x)
+    scores = torch.empty(tokens, MOE_EXPERTS, device=dev)
+    state = {}
+
+    def refill():
+        x.normal_()
+        grad.normal_()
+        scores.uniform_()
+        idx = scores.topk(MOE_TOPK, dim=-1).indices
+        state["map"] = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, idx, True)
+        state["probs"] = (scores * state["map"]).requires_grad_()
+
+    def run(impl, backward):
+        xs = x.detach().requires_grad_(backward)
+        rows, pprobs, mapping, _, _ = impl.permute(xs, state["map"], probs=state["probs"],
+                                                   num_out_tokens=tokens * MOE_TOPK)
+        out = impl.unpermute(rows, mapping, xs.shape)
+        if backward:
+            torch.autograd.backward((out, pprobs), (grad, torch.ones_like(pprobs)))
+
+    rows = []
+    row_bytes = tokens * (1 + MOE_TOPK) * MOE_HIDDEN * 2
+    for name, impl in (("fused triton", triton_moe_permute), ("megatron unfused", moe_utils)):
+        for backward in (False, True):
+            ms = timed(lambda: run(impl, backward), refill, reps)
+            gbs = (4 if backward else 2) * row_bytes / ms / 1e6
+            label = f"moe permute+unpermute {'fwd+bwd' if backward else 'fwd'} ({name})"
+            rows.append(dict(seq=tokens, kernel=label, ms=round(ms, 3), gbps=round(gbs, 1)))
+            log(f"T={tokens:6d} {label:52s} {ms:9.3f} ms {gbs:8.1f} GB/s")
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[4096, 32768])
@@ -238,6 +320,11 @@ def main(argv=None):
     ap.add_argument("--sweep-seq", type=int, default=8192)
     ap.add_argument("--reference-max-seq", type=int, default=4096,
                     help="time the torch reference only up to this sequence length (it is slow)")
+    ap.add_argument("--moe-tokens", type=int, nargs="*", default=[4096, 16384],
+                    help="token counts for the MoE permute/unpermute rows (none: skip them)")
+    ap.add_argument("--tilelang-examples", default=None, metavar="DIR",
+                    help="also time TileLang's example kernels: the examples/deepseek_v32 folder of a tile-ai/tilelang "
+                         "checkout (benchmarks/peer_tilelang.py)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS,
                     help="the GPU's measured bf16 matmul TFLOP/s, for the %% of peak column (default: the H200's)")
@@ -259,7 +346,10 @@ def main(argv=None):
     result["fwd_config"], result["bwd_config"] = dict(tsm.FWD_CONFIG), dict(tsm.BWD_CONFIG)
     result["rows"] = []
     for seq in args.seqs:
-        result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log, args.peak_tflops)
+        result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log, args.peak_tflops,
+                                args.tilelang_examples)
+    for tokens in args.moe_tokens:
+        result["rows"] += bench_moe_permute(tokens, args.reps, log)
     log(f"total {time.time() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

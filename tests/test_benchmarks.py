@@ -51,3 +51,18 @@ def test_kernel_sweep_keeps_the_fastest_configuration_and_records_failures(monke
     assert rows[1]["tflops"] == 3e12 / 1.5 / 1e9 and rows[2]["error"].startswith("out of resource")
     assert any("failed: out of resource" in line for line in logs)
     assert kernels._try_configs("fwd", configs[2:3], run, None, 3, logs.append) == ([rows[2]], None)
+
+
+def test_tilelang_examples_folder_is_checked_before_use(tmp_path):
+    """--tilelang-examples DIR must be TileLang's examples/deepseek_v32 folder: anything else stops with the flag
+    and the missing files named (the kernels themselves need a GPU and tilelang)."""
+    import pytest
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import peer_tilelang
+
+    (tmp_path / "sparse_mla_fwd.py").write_text("")
+    with pytest.raises(SystemExit) as e:
+        peer_tilelang.load_examples(str(tmp_path))
+    assert "--tilelang-examples" in str(e.value) and "sparse_mla_bwd.py" in str(e.value)
+    assert "sparse_mla_fwd.py" not in str(e.value).split("missing")[1]
