@@ -223,7 +223,8 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
 
         tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
             tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV),
-            (("", tilelang_sparse_mla.FWD_CONFIG), (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG)), reps,
+            (("", tilelang_sparse_mla.FWD_CONFIG), (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG),
+             (", pipelined, 64 rows", tilelang_sparse_mla.PIPELINED64_CONFIG)), reps,
             p.fwd_flop)
         tilelang_rows("sparse_mla bwd (our TileLang, atomic{})", functools.partial(
             tilelang_sparse_mla_bwd.tilelang_sparse_bwd, p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,

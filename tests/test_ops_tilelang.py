@@ -301,7 +301,7 @@ def test_backend_autograd_uses_both_tilelang_kernels(monkeypatch):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-CONFIGS = {"default": tlm.FWD_CONFIG, "pipelined": tlm.PIPELINED_CONFIG}
+CONFIGS = {"default": tlm.FWD_CONFIG, "pipelined": tlm.PIPELINED_CONFIG, "pipelined64": tlm.PIPELINED64_CONFIG}
 
 
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG,
@@ -331,7 +331,7 @@ def nvcc_cubin(tmp_path, src):
 def test_kernel_lowers_to_cuda_for_sm90a(tmp_path, config):
     src = tlm.lower_to_cuda(tlm.build_sparse_fwd(64, DV, 64, 2048, DQK ** -0.5, **CONFIGS[config]))
     assert "sparse_mla_fwd_kernel" in src and "wgmma" in src  # Hopper tensor-core MMA for both products
-    assert ("cp_async" in src) == (config == "pipelined")  # the pipelined gather is asynchronous
+    assert ("cp_async" in src) == config.startswith("pipelined")  # the pipelined gather is asynchronous
     nvcc_cubin(tmp_path, src)
 
 
@@ -385,11 +385,14 @@ def test_gpu_tilelang_sparse_mla_real_shapes(layout):
     tlm.tilelang_sparse_fwd(q, kv, idx, scale, DV, out=out, lse=lse)
     assert not out.isnan().any() and not lse.isnan().any()
     assert rel_l2(out, ro) <= 1e-2 and rel_l2(lse, rl) <= 1e-2, (rel_l2(out, ro), rel_l2(lse, rl))
-    o_p = torch.full_like(out, float("nan"))
-    l_p = torch.full_like(lse, float("nan"))
-    tlm.tilelang_sparse_fwd(q, kv, idx, scale, DV, config=tlm.PIPELINED_CONFIG, out=o_p, lse=l_p)
-    assert not o_p.isnan().any() and not l_p.isnan().any()
-    assert rel_l2(o_p, ro) <= 1e-2 and rel_l2(l_p, rl) <= 1e-2, ("pipelined", rel_l2(o_p, ro), rel_l2(l_p, rl))
+    for name in CONFIGS:
+        if name == "default":
+            continue
+        o_p = torch.full_like(out, float("nan"))
+        l_p = torch.full_like(lse, float("nan"))
+        tlm.tilelang_sparse_fwd(q, kv, idx, scale, DV, config=CONFIGS[name], out=o_p, lse=l_p)
+        assert not o_p.isnan().any() and not l_p.isnan().any()
+        assert rel_l2(o_p, ro) <= 1e-2 and rel_l2(l_p, rl) <= 1e-2, (name, rel_l2(o_p, ro), rel_l2(l_p, rl))
     # through the backend: TileLang forward and backward
     qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
     o2, l2 = TilelangBackend(deterministic=False).sparse_mla(qg, kvg, idx, scale, DV)

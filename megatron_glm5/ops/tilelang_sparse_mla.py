@@ -15,8 +15,9 @@ stays 0 are the "no keys" rows.  Head counts that are not a multiple of 64 are z
 dropped).  K is padded with -1 to a multiple of block_n (``flashmla_backend.pad_topk``).  The token count and Tk
 are dynamic in the compiled kernel; one kernel is compiled lazily per (heads, d_v, d_rope, padded K, scale,
 config) and cached.
-Two configurations: FWD_CONFIG (the default; a plain loop, 64 rows per step) and PIPELINED_CONFIG (T.Pipelined, two
-stages: the cp.async gather of the next 32 rows overlaps this block's math).  ptxas for sm_90a: 215 registers, no
+Three configurations: FWD_CONFIG (the default; a plain loop, 64 rows per step), PIPELINED_CONFIG (T.Pipelined, two
+stages: the cp.async gather of the next 32 rows overlaps this block's math) and PIPELINED64_CONFIG (the same with 64
+rows, the shape of TileLang's example kernel; not timed yet).  ptxas for sm_90a: 215 registers, no
 spills (default); 255 registers, 4 bytes spilled (pipelined).  On the H200 the default is faster (246 vs 200
 TFLOP/s at S 4096; docs/performance.md).
 
@@ -48,7 +49,8 @@ from .flashmla_backend import _triton_backward_reason, pad_topk, warn_once
 logger = logging.getLogger("megatron_glm5.ops")
 
 __all__ = ["TilelangBackend", "build_sparse_fwd", "dynamic_shared_bytes", "lower_artifact", "lower_to_cuda",
-           "tilelang_sparse_fwd", "tilelang_unsupported_reason", "TILELANG_INSTALL", "FWD_CONFIG", "PIPELINED_CONFIG"]
+           "tilelang_sparse_fwd", "tilelang_unsupported_reason", "TILELANG_INSTALL", "FWD_CONFIG", "PIPELINED_CONFIG",
+           "PIPELINED64_CONFIG"]
 
 TILELANG_INSTALL = "pip install 'megatron-glm5[tilelang]'"
 LOG2E = 1.4426950408889634
@@ -59,6 +61,9 @@ M_FLOOR = -1.0e30  # starting running max (log2 units): finite, so fully masked 
 #: (0: a plain loop, gather then compute; 2: cp.async gather of the next block overlapping this block's math)
 FWD_CONFIG = dict(block_n=64, threads=256, num_stages=0)
 PIPELINED_CONFIG = dict(block_n=32, threads=256, num_stages=2)
+#: TileLang's own example kernel's shape (64 rows, two stages): 231,424 bytes of shared memory (226 KiB, the H200
+#: allows 227 KiB), 255 registers, 12 bytes spilled for sm_90a; not timed yet (benchmarks/kernels.py has its row)
+PIPELINED64_CONFIG = dict(block_n=64, threads=256, num_stages=2)
 
 _KERNELS: Dict[tuple, object] = {}
 
