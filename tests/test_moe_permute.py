@@ -178,3 +178,23 @@ def test_gpu_glm5_sizes_match_unfused(dtype):
     # deterministic: a second run gives the same bits
     again = pipeline(case, fused.permute, fused.unpermute)
     assert all(torch.equal(again[k], got[k]) for k in got)
+
+
+def test_building_a_moe_model_logs_the_permute_choice_once(caplog, monkeypatch):
+    """Which token permute the MoE layers use is logged once per process (like the attention backend)."""
+    import logging
+
+    import megatron_glm5
+    from megatron_glm5 import GLM5Config, build_model
+    from megatron_glm5.model import moe
+
+    megatron_glm5.initialize_model_parallel()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    moe._log_permute_choice.cache_clear()
+    cfg = GLM5Config.from_preset("tiny").replace(num_hidden_layers=3, first_k_dense_replace=1)
+    with caplog.at_level(logging.INFO, logger="megatron_glm5.model"):
+        with torch.device("meta"):
+            build_model(cfg, perform_initialization=False)
+    said = [r.getMessage() for r in caplog.records if "MoE token permute" in r.getMessage()]
+    assert said == ["MoE token permute/unpermute (alltoall dispatcher): megatron-core's unfused ops "
+                    "(--no-moe-permute-fusion, or no CUDA GPU / triton)"]

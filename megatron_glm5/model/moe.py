@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import logging
 import os
 import types
 from typing import Optional
@@ -225,6 +226,17 @@ def _with_fused_permute(method):
     return copy_
 
 
+logger = logging.getLogger("megatron_glm5.model")
+
+
+@functools.lru_cache(maxsize=None)
+def _log_permute_choice(dispatcher: str, fused: bool) -> None:
+    """Once per process and choice: which token permute the MoE layers use."""
+    logger.info("MoE token permute/unpermute (%s dispatcher): %s", dispatcher,
+                "our fused Triton kernels (--moe-permute-fusion)" if fused
+                else "megatron-core's unfused ops (--no-moe-permute-fusion, or no CUDA GPU / triton)")
+
+
 @functools.lru_cache(maxsize=None)
 def fused_permute_dispatcher(base: type) -> type:
     """The subclass of a megatron-core dispatcher (alltoall or allgather) that permutes with our kernels."""
@@ -253,9 +265,12 @@ class GLM5MoELayer(MoELayer):
             self.token_dispatcher = HierarchicalTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)
         base = type(self.token_dispatcher)
-        if base in _PERMUTING_METHODS and moe_permute_fusion_enabled(
-                getattr(self.config, "moe_triton_permute_fusion", None)):
-            self.token_dispatcher = fused_permute_dispatcher(base)(
-                self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)
-            if self.shared_expert_overlap:
-                self.token_dispatcher.set_shared_experts(self.shared_experts)
+        if base in _PERMUTING_METHODS:
+            fused = moe_permute_fusion_enabled(getattr(self.config, "moe_triton_permute_fusion", None))
+            _log_permute_choice(self.config.moe_token_dispatcher_type, fused)
+            if fused:
+                self.token_dispatcher = fused_permute_dispatcher(base)(
+                    self.num_local_experts, self.local_expert_indices, config=self.config,
+                    pg_collection=pg_collection)
+                if self.shared_expert_overlap:
+                    self.token_dispatcher.set_shared_experts(self.shared_experts)
