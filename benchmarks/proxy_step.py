@@ -58,11 +58,12 @@ class _Timer:
             self.ms = (time.perf_counter() - self.t0) * 1e3
 
 
-def build_ours(cfg: GLM5Config, dtype, device, attn: str, indexer_loss_coeff: float):
+def build_ours(cfg: GLM5Config, dtype, device, attn: str, indexer_loss_coeff: float, permute_fusion=None):
     from megatron_glm5.model.model import build_model
 
     model = build_model(cfg, mtp=False, params_dtype=dtype, bf16=dtype == torch.bfloat16, dsa_backend=attn,
-                        dsa_stage="sparse", dsa_indexer_loss_coeff=indexer_loss_coeff)
+                        dsa_stage="sparse", dsa_indexer_loss_coeff=indexer_loss_coeff,
+                        moe_triton_permute_fusion=permute_fusion)
     return model.to(device).train()
 
 
@@ -183,6 +184,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--attn", default="auto", help="our attention backend (--attn of the training scripts)")
     p.add_argument("--indexer-loss-coeff", type=float, default=1e-3)
+    p.add_argument("--moe-permute-fusion", action=argparse.BooleanOptionalAction, default=None,
+                   help="ours: the fused MoE token permute (default as in training: on with CUDA and triton)")
     p.add_argument("--impls", default="ours,transformers")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -203,7 +206,8 @@ def main(argv=None) -> int:
     from megatron_glm5 import platform
     platform.initialize_model_parallel()
     builders = {
-        "ours": (lambda: build_ours(cfg, dtype, device, args.attn, args.indexer_loss_coeff), step_ours),
+        "ours": (lambda: build_ours(cfg, dtype, device, args.attn, args.indexer_loss_coeff,
+                                    args.moe_permute_fusion), step_ours),
         "transformers": (lambda: build_transformers(cfg, dtype, device), step_transformers),
     }
     results = []
