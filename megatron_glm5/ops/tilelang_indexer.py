@@ -39,9 +39,11 @@ kernel, with a warning logged once).
 """
 
 # no ``from __future__ import annotations``: TileLang evaluates the kernel's annotations (closure sizes) eagerly
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
+
+from .tilelang_sparse_mla import compiled_kernel
 
 __all__ = ["build_score_keys", "indexer_unsupported_reason", "tilelang_indexer_topk", "INDEXER_CONFIG",
            "PIPELINED_INDEXER_CONFIG"]
@@ -51,7 +53,6 @@ __all__ = ["build_score_keys", "indexer_unsupported_reason", "tilelang_indexer_t
 INDEXER_CONFIG = dict(block_m=128, block_n=128, n_iters=4, threads=256, num_stages=0)
 PIPELINED_INDEXER_CONFIG = dict(block_m=128, block_n=128, n_iters=4, threads=256, num_stages=2)
 
-_KERNELS: Dict[tuple, object] = {}
 
 
 def build_score_keys(heads: int, dim: int, softmax_scale: float, block_m: int = 128, block_n: int = 128,
@@ -134,14 +135,7 @@ def build_score_keys(heads: int, dim: int, softmax_scale: float, block_m: int = 
 
 
 def _compiled(heads: int, dim: int, softmax_scale: float, cfg: dict):
-    key = (heads, dim, float(softmax_scale), tuple(sorted(cfg.items())))
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        import tilelang
-
-        kernel = tilelang.compile(build_score_keys(heads, dim, softmax_scale, **cfg), target="cuda")
-        _KERNELS[key] = kernel
-    return kernel
+    return compiled_kernel(build_score_keys, heads, dim, float(softmax_scale), **cfg)
 
 
 def indexer_unsupported_reason(q_idx: torch.Tensor, k_idx: torch.Tensor,

@@ -33,12 +33,13 @@ top-k 2048: 3.64 ms (plain loop: 4.01) vs the Triton kernel's 3.43 ms -- ours is
 """
 
 # no ``from __future__ import annotations``: TileLang evaluates the kernel's annotations (closure sizes) eagerly
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
 from .flashmla_backend import pad_topk
-from .tilelang_sparse_mla import HEAD_BLOCK, LOG2E, tilelang_unsupported_reason
+from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, compiled_kernel, query_loader, selected_scores,
+                                  tilelang_unsupported_reason)
 
 __all__ = ["build_head_probs", "tilelang_head_summed_probs", "head_probs_unsupported_reason", "PROB_CONFIG",
            "PLAIN_PROB_CONFIG"]
@@ -51,7 +52,6 @@ __all__ = ["build_head_probs", "tilelang_head_summed_probs", "head_probs_unsuppo
 PROB_CONFIG = dict(block_n=64, threads=256, num_stages=2, smem_sum=False)
 PLAIN_PROB_CONFIG = dict(block_n=64, threads=256, num_stages=0, smem_sum=True)
 
-_KERNELS: Dict[tuple, object] = {}
 
 
 def build_head_probs(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, block_n: int = 64,
@@ -75,6 +75,7 @@ def build_head_probs(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale
     row_groups = max(1, threads // block_n)  # partial column sums per column in the shared-memory reduction
     n_q = T.dynamic("n_q")
     n_kv = T.dynamic("n_kv")
+    load_query, gather_and_score = query_loader(d_v, d_qk), selected_scores(block_n, d_v, d_rope)
 
     @T.prim_func
     def head_probs_kernel(
@@ -97,22 +98,14 @@ def build_head_probs(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale
                 part_sh = T.alloc_shared((row_groups, block_n), acc_t)
 
             h0 = hb * HEAD_BLOCK
-            T.copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat)
-            T.copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope)
+            load_query(Q, tok, h0, q_lat, q_rope)
             for i in T.Parallel(HEAD_BLOCK):
                 # natural log -> log2 units of the scaled scores; -inf (a head without keys) -> +inf: p = 0
                 lse2[i] = T.if_then_else(Lse[tok, h0 + i] == -T.infinity(acc_t), T.infinity(acc_t),
                                          Lse[tok, h0 + i] * LOG2E)
 
             for kb in (T.Pipelined(n_blocks, num_stages=num_stages) if num_stages > 0 else T.serial(n_blocks)):
-                # gather the selected kv rows; an unused slot (-1 or >= n_kv) reads a clamped row, zeroed below
-                for j, c in T.Parallel(block_n, d_v):
-                    k_lat[j, c] = KV[T.max(T.min(Idx[tok, kb * block_n + j], n_kv - 1), 0), c]
-                for j, c in T.Parallel(block_n, d_rope):
-                    k_rope[j, c] = KV[T.max(T.min(Idx[tok, kb * block_n + j], n_kv - 1), 0), d_v + c]
-
-                T.gemm(q_lat, k_lat, s, transpose_B=True, clear_accum=True)
-                T.gemm(q_rope, k_rope, s, transpose_B=True)
+                gather_and_score(KV, Idx, tok, kb, n_kv, q_lat, q_rope, k_lat, k_rope, s)  # unused slots zeroed:
                 for i, j in T.Parallel(HEAD_BLOCK, block_n):
                     sel = Idx[tok, kb * block_n + j]
                     s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), T.exp2(s[i, j] * c_log2 - lse2[i]), 0)
@@ -134,14 +127,7 @@ def build_head_probs(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale
 
 
 def _compiled(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, cfg: dict):
-    key = (heads, d_v, d_rope, topk, float(softmax_scale), tuple(sorted(cfg.items())))
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        import tilelang
-
-        kernel = tilelang.compile(build_head_probs(heads, d_v, d_rope, topk, softmax_scale, **cfg), target="cuda")
-        _KERNELS[key] = kernel
-    return kernel
+    return compiled_kernel(build_head_probs, heads, d_v, d_rope, topk, float(softmax_scale), **cfg)
 
 
 def head_probs_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int,

@@ -81,6 +81,49 @@ def probe_tilelang() -> bool:
         return False
 
 
+def query_loader(d_v: int, d_qk: int):
+    """T.macro: the 64 heads h0.. of query tok, latent and rope parts, into shared memory (every kernel of ours that
+    works per (query, head block) starts with it)."""
+    import tilelang.language as T
+
+    @T.macro
+    def load_query(Q, tok, h0, q_lat, q_rope):
+        T.copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat)
+        T.copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope)
+
+    return load_query
+
+
+def selected_scores(block_n: int, d_v: int, d_rope: int):
+    """T.macro: gather the kv rows selected by slots kb * block_n .. of query tok into shared memory (an unused slot,
+    -1 or >= n_kv, reads a clamped row: the caller masks its score) and s = q_lat k_lat^T + q_rope k_rope^T (fp32,
+    unscaled) -- the start of every step of our forward, backward and KL-target kernels."""
+    import tilelang.language as T
+
+    @T.macro
+    def gather_and_score(KV, Idx, tok, kb, n_kv, q_lat, q_rope, k_lat, k_rope, s):
+        for j, c in T.Parallel(block_n, d_v):
+            k_lat[j, c] = KV[T.max(T.min(Idx[tok, kb * block_n + j], n_kv - 1), 0), c]
+        for j, c in T.Parallel(block_n, d_rope):
+            k_rope[j, c] = KV[T.max(T.min(Idx[tok, kb * block_n + j], n_kv - 1), 0), d_v + c]
+        T.gemm(q_lat, k_lat, s, transpose_B=True, clear_accum=True)
+        T.gemm(q_rope, k_rope, s, transpose_B=True)
+
+    return gather_and_score
+
+
+def compiled_kernel(builder, *sizes, **cfg):
+    """``tilelang.compile(builder(*sizes, **cfg))``, once per (builder, sizes, configuration) in this process (the
+    kernels of the tilelang backend are compiled lazily, with token and key counts dynamic)."""
+    key = (builder.__module__, builder.__name__, sizes, tuple(sorted(cfg.items())))
+    kernel = _KERNELS.get(key)
+    if kernel is None:
+        import tilelang
+
+        kernel = _KERNELS[key] = tilelang.compile(builder(*sizes, **cfg), target="cuda")
+    return kernel
+
+
 def build_sparse_fwd(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, block_n: int = 64,
                      threads: int = 256, num_stages: int = 0, dtype: str = "bfloat16"):
     """The TileLang prim_func of the sparse MLA forward for these static sizes (see the module docstring).
@@ -100,6 +143,7 @@ def build_sparse_fwd(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale
     c_log2 = float(softmax_scale) * LOG2E
     n_q = T.dynamic("n_q")
     n_kv = T.dynamic("n_kv")
+    load_query, gather_and_score = query_loader(d_v, d_qk), selected_scores(block_n, d_v, d_rope)
 
     @T.prim_func
     def sparse_mla_fwd_kernel(
@@ -126,21 +170,13 @@ def build_sparse_fwd(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale
             lse_f = T.alloc_fragment((HEAD_BLOCK,), acc_t)
 
             h0 = hb * HEAD_BLOCK
-            T.copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat)
-            T.copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope)
+            load_query(Q, tok, h0, q_lat, q_rope)
             T.fill(acc, 0)
             T.fill(l_run, 0)
             T.fill(m_run, M_FLOOR)
 
             for kb in (T.Pipelined(n_blocks, num_stages=num_stages) if num_stages > 0 else T.serial(n_blocks)):
-                # gather the selected kv rows; an unused slot (-1 or >= n_kv) reads a clamped row, masked below
-                for j, c in T.Parallel(block_n, d_v):
-                    k_lat[j, c] = KV[T.max(T.min(Idx[tok, kb * block_n + j], n_kv - 1), 0), c]
-                for j, c in T.Parallel(block_n, d_rope):
-                    k_rope[j, c] = KV[T.max(T.min(Idx[tok, kb * block_n + j], n_kv - 1), 0), d_v + c]
-
-                T.gemm(q_lat, k_lat, s, transpose_B=True, clear_accum=True)
-                T.gemm(q_rope, k_rope, s, transpose_B=True)
+                gather_and_score(KV, Idx, tok, kb, n_kv, q_lat, q_rope, k_lat, k_rope, s)  # unused slots masked:
                 for i, j in T.Parallel(HEAD_BLOCK, block_n):
                     sel = Idx[tok, kb * block_n + j]
                     s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity(acc_t))
@@ -197,15 +233,7 @@ def dynamic_shared_bytes(artifact) -> int:
 
 
 def _compiled(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, cfg: dict):
-    key = (heads, d_v, d_rope, topk, float(softmax_scale), tuple(sorted(cfg.items())))
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        import tilelang
-
-        func = build_sparse_fwd(heads, d_v, d_rope, topk, softmax_scale, **cfg)
-        kernel = tilelang.compile(func, target="cuda")
-        _KERNELS[key] = kernel
-    return kernel
+    return compiled_kernel(build_sparse_fwd, heads, d_v, d_rope, topk, float(softmax_scale), **cfg)
 
 
 def tilelang_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,

@@ -37,12 +37,13 @@ without keys, with and without d_lse.
 """
 
 # no ``from __future__ import annotations``: TileLang evaluates the kernel's annotations (closure sizes) eagerly
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from .flashmla_backend import pad_topk, warn_once
-from .tilelang_sparse_mla import HEAD_BLOCK, LOG2E, tilelang_unsupported_reason
+from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, compiled_kernel, query_loader, selected_scores,
+                                  tilelang_unsupported_reason)
 
 __all__ = ["build_sparse_bwd", "tilelang_sparse_bwd", "tilelang_bwd_unsupported_reason", "NARROW_BWD_CONFIG",
            "BWD_CONFIG"]
@@ -54,7 +55,6 @@ __all__ = ["build_sparse_bwd", "tilelang_sparse_bwd", "tilelang_bwd_unsupported_
 BWD_CONFIG = dict(block_n=64, threads=256, dkv_cols=128)
 NARROW_BWD_CONFIG = dict(block_n=32, threads=256, dkv_cols=256)
 
-_KERNELS: Dict[tuple, object] = {}
 
 
 def build_sparse_bwd(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, block_n: int = 32,
@@ -80,6 +80,7 @@ def build_sparse_bwd(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale
     c_log2 = scale * LOG2E
     n_q = T.dynamic("n_q")
     n_kv = T.dynamic("n_kv")
+    load_query, gather_and_score = query_loader(d_v, d_qk), selected_scores(block_n, d_v, d_rope)
 
     @T.prim_func
     def sparse_mla_bwd_kernel(
@@ -116,8 +117,7 @@ def build_sparse_bwd(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale
             dk_rope = T.alloc_fragment((block_n, d_rope), acc_t)
 
             h0 = hb * HEAD_BLOCK
-            T.copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat)
-            T.copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope)
+            load_query(Q, tok, h0, q_lat, q_rope)
             T.copy(dO[tok, h0:h0 + HEAD_BLOCK, :], do_s)
 
             # Delta = rowsum(out * d_out) - d_lse, dkv_cols columns at a time; through shared memory into the
@@ -139,13 +139,7 @@ def build_sparse_bwd(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale
             T.fill(dq_lat, 0)
             T.fill(dq_rope, 0)
             for kb in T.serial(n_blocks):
-                for j, c in T.Parallel(block_n, d_v):
-                    k_lat[j, c] = KV[T.max(T.min(Idx[tok, kb * block_n + j], n_kv - 1), 0), c]
-                for j, c in T.Parallel(block_n, d_rope):
-                    k_rope[j, c] = KV[T.max(T.min(Idx[tok, kb * block_n + j], n_kv - 1), 0), d_v + c]
-
-                T.gemm(q_lat, k_lat, s, transpose_B=True, clear_accum=True)
-                T.gemm(q_rope, k_rope, s, transpose_B=True)
+                gather_and_score(KV, Idx, tok, kb, n_kv, q_lat, q_rope, k_lat, k_rope, s)
                 T.gemm(do_s, k_lat, dp, transpose_B=True, clear_accum=True)
                 for i, j in T.Parallel(HEAD_BLOCK, block_n):
                     sel = Idx[tok, kb * block_n + j]
@@ -178,14 +172,7 @@ def build_sparse_bwd(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale
 
 
 def _compiled(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, cfg: dict):
-    key = (heads, d_v, d_rope, topk, float(softmax_scale), tuple(sorted(cfg.items())))
-    kernel = _KERNELS.get(key)
-    if kernel is None:
-        import tilelang
-
-        kernel = tilelang.compile(build_sparse_bwd(heads, d_v, d_rope, topk, softmax_scale, **cfg), target="cuda")
-        _KERNELS[key] = kernel
-    return kernel
+    return compiled_kernel(build_sparse_bwd, heads, d_v, d_rope, topk, float(softmax_scale), **cfg)
 
 
 def tilelang_bwd_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int,
