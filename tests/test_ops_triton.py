@@ -292,6 +292,12 @@ def test_gpu_indexer_topk_real_shapes(layout):
     scale = DI ** -0.5
     got = triton_indexer.indexer_topk(qi, ki, w, TOPK, ks, qe, scale)
     want = reference.indexer_topk(qi, ki, w, TOPK, ks, qe, scale)
+    assert_same_sets_up_to_rounding(got, want, qi, ki, w, scale)
+
+
+def assert_same_sets_up_to_rounding(got, want, qi, ki, w, scale):
+    """Top-k of random data: the same key sets on >= 99% of rows; on the others the keys that differ score within
+    fp32 rounding of the row's k-th score (a tie the two summation orders break differently)."""
     same_rows = (torch.sort(got, dim=-1).values == torch.sort(want, dim=-1).values).all(dim=-1)
     assert float(same_rows.float().mean()) >= 0.99
     for t in torch.nonzero(~same_rows).flatten().tolist():

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 
 from .flashmla_backend import pad_topk
-from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, compiled_kernel, query_loader, selected_scores,
+from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, check_tiles, compiled_kernel, query_loader, selected_scores,
                                   tilelang_unsupported_reason)
 
 __all__ = ["build_head_probs", "tilelang_head_summed_probs", "head_probs_unsupported_reason", "PROB_CONFIG",
@@ -65,8 +65,7 @@ def build_head_probs(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale
     """
     import tilelang.language as T
 
-    if heads % HEAD_BLOCK or topk % block_n:
-        raise ValueError(f"heads ({heads}) must be a multiple of {HEAD_BLOCK} and topk ({topk}) of {block_n}")
+    check_tiles(heads, topk, block_n)
     d_qk = d_v + d_rope
     hb_n = heads // HEAD_BLOCK
     n_blocks = topk // block_n

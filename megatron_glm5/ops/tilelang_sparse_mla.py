@@ -124,6 +124,12 @@ def compiled_kernel(builder, *sizes, **cfg):
     return kernel
 
 
+def check_tiles(heads: int, topk: int, block_n: int) -> None:
+    """The kernels tile heads by HEAD_BLOCK and the top-k slots by block_n (the wrappers pad both)."""
+    if heads % HEAD_BLOCK or topk % block_n:
+        raise ValueError(f"heads ({heads}) must be a multiple of {HEAD_BLOCK} and topk ({topk}) of {block_n}")
+
+
 def build_sparse_fwd(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, block_n: int = 64,
                      threads: int = 256, num_stages: int = 0, dtype: str = "bfloat16"):
     """The TileLang prim_func of the sparse MLA forward for these static sizes (see the module docstring).
@@ -134,8 +140,7 @@ def build_sparse_fwd(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale
     """
     import tilelang.language as T
 
-    if heads % HEAD_BLOCK or topk % block_n:
-        raise ValueError(f"heads ({heads}) must be a multiple of {HEAD_BLOCK} and topk ({topk}) of {block_n}")
+    check_tiles(heads, topk, block_n)
     d_qk = d_v + d_rope
     hb_n = heads // HEAD_BLOCK
     n_blocks = topk // block_n
