@@ -7,7 +7,8 @@ fixed random matrices, one per expert, applied with the combine weight as GLM5Gr
 writes ``<out>/node<S>.rank<R>.pt``: both dispatchers' outputs, input gradients (tokens and combine weights),
 tokens per local expert and, per local expert, the sorted rows it received; its routing map, the rows the
 hierarchical dispatcher sent to each node, and the node layout it derived (EP ranks per node, nodes, sub-group
-sizes).
+sizes). ``--fused``: the hierarchical dispatcher with --moe-permute-fusion (our Triton kernels, run by Triton's
+CPU interpreter), against the same unfused alltoall reference.
 """
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--node-sizes", default="1,2,4")
+    ap.add_argument("--fused", action="store_true")
     opts = ap.parse_args()
+    if opts.fused:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
 
     from megatron_glm5 import platform
     platform.apply_pre_import_shims()
@@ -74,10 +78,15 @@ def main():
             moe_hybridep_node_size=node_size)
         setup_hybridep_groups(cfg)
         ref = MoEAlltoAllTokenDispatcher(local, local_experts, config=cfg, pg_collection=pg)
-        hier = HierarchicalTokenDispatcher(local, local_experts, config=cfg, pg_collection=pg)
+        hier_cfg = cfg
+        if opts.fused:
+            hier_cfg = GLM5Config.from_preset("tiny").to_transformer_config(
+                expert_model_parallel_size=world, moe_router_topk=TOPK, moe_token_dispatcher_type="alltoall",
+                moe_hybridep_node_size=node_size, moe_triton_permute_fusion=True)
+        hier = HierarchicalTokenDispatcher(local, local_experts, config=hier_cfg, pg_collection=pg)
         result = {"alltoall": run(ref, x, probs, routing_map, weights, local_experts),
                   "hybridep": run(hier, x, probs, routing_map, weights, local_experts),
-                  "routing_map": routing_map, "rows_sent_per_node": list(hier._inter_in),
+                  "routing_map": routing_map, "rows_sent_per_node": list(hier._inter_in), "fused": hier.fused,
                   "layout": (hier.node_ranks, hier.num_nodes,
                              hier.intra_group.size() if hier.intra_group is not None else 1,
                              hier.inter_group.size() if hier.inter_group is not None else 1)}

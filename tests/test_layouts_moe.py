@@ -60,6 +60,22 @@ def test_hierarchical_dispatch_matches_alltoall(tmp_path):
                 assert sum(r["rows_sent_per_node"]) < r["routing_map"].sum().item(), what
 
 
+@pytest.mark.distributed
+def test_hierarchical_dispatch_with_fused_permute_matches_alltoall(tmp_path):
+    """--moe-permute-fusion in the hierarchical dispatcher (both gathers and both sums are the Triton kernels, here
+    in Triton's CPU interpreter): the same outputs and gradients as megatron-core's unfused alltoall dispatcher."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    _launch(4, DISPATCH_TOOL, ["--out", str(tmp_path), "--node-sizes", "2", "--fused"], tmp_path / "log.txt")
+    for rank in range(4):
+        r = torch.load(tmp_path / f"node2.rank{rank}.pt")
+        assert r["fused"] is True and r["layout"] == (2, 2, 2, 2)
+        a, h = r["alltoall"], r["hybridep"]
+        assert h["counts"] == a["counts"]
+        assert all(torch.equal(x, y) for x, y in zip(h["received"], a["received"]))
+        for key in ("out", "grad_x", "grad_probs"):
+            assert _rel(h[key], a[key]) < DISPATCH_RTOL, (rank, key, _rel(h[key], a[key]))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Training: hybridep at EP4 over two simulated nodes, TP2 x EP2
 # ---------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,11 @@ combine (the reverse)
 
 Both stages are differentiable (megatron-core's autograd all_to_all; gathers whose backward scatter-adds), and
 the result equals the alltoall dispatcher's up to the order of the fp32 additions.
+
+With ``--moe-permute-fusion`` (the default with CUDA and triton) both gathers (steps 1 and 2) and both sums
+(2' and 1') are the fused kernels of ops/triton_moe_permute.py (one row map per stage from the stage's routing):
+each token's rows are summed by one program in a fixed order, so the combine is deterministic, where
+``index_add`` on a GPU adds with atomics in a varying order.
 """
 from __future__ import annotations
 
@@ -231,6 +236,31 @@ class HierarchicalTokenDispatcher(MoETokenDispatcher):
         self.intra_group, self.inter_group = groups.intra, groups.inter
         assert self.node_ranks * self.num_nodes == self.ep_size
         assert self.num_experts == self.ep_size * num_local_experts
+        from megatron_glm5.model.moe import moe_permute_fusion_enabled  # (moe.py imports this module)
+
+        self.fused = moe_permute_fusion_enabled(getattr(config, "moe_triton_permute_fusion", None))
+
+    def _gather(self, x: torch.Tensor, routing: torch.Tensor, col: torch.Tensor, row: torch.Tensor,
+                probs: Optional[torch.Tensor] = None):
+        """Rows of x for the routed pairs (col, row) = ``routing.t().nonzero()`` of routing [rows, cols], in that
+        column-major order, with probs[row, col] when probs are given; and what sums them back (:meth:`_sum_back`):
+        the fused kernels' row map, else the row index."""
+        if not self.fused:
+            return x.index_select(0, row), (probs[row, col] if probs is not None else None), row
+        from megatron_glm5.ops import triton_moe_permute as fused
+
+        row_map = fused.build_row_map(routing, row.numel())
+        rows, p = fused.permute_tokens(x, row_map, probs)
+        return rows, p, row_map
+
+    def _sum_back(self, y: torch.Tensor, back, rows: int) -> torch.Tensor:
+        """Each row's gathered copies (from :meth:`_gather`) summed back into ``rows`` rows, fp32 accumulation: one
+        program per row in a fixed order (fused), else index_add."""
+        if isinstance(back, torch.Tensor):
+            return _sum_rows(y, back, rows)
+        from megatron_glm5.ops import triton_moe_permute as fused
+
+        return fused.unpermute_tokens(y, back)
 
     # -- dispatch ------------------------------------------------------------------------------------------
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
@@ -243,9 +273,9 @@ class HierarchicalTokenDispatcher(MoETokenDispatcher):
         node_routing = routing_map.reshape(tokens, self.num_nodes, per_node)
         node_map = node_routing.any(dim=-1)  # [tokens, nodes]
         dest_node, token = node_map.t().nonzero(as_tuple=True)
-        self._tokens, self._token_of_row = tokens, token
+        self._tokens = tokens
         self._inter_send = node_map.sum(dim=0)
-        x = hidden.index_select(0, token)
+        x, _, self._inter_back = self._gather(hidden, node_map, dest_node, token)
         p = probs.reshape(tokens, self.num_nodes, per_node)[token, dest_node]
         self._relay_routing = node_routing[token, dest_node]
         return x, p
@@ -264,15 +294,15 @@ class HierarchicalTokenDispatcher(MoETokenDispatcher):
 
         # on the relay rank: one row per (selected expert of this node, token), expert-major
         expert, row = routing.t().nonzero(as_tuple=True)
-        self._relay_row_of = row
+        x_sel, p_sel, self._relay_back = self._gather(x, routing, expert, row, p)
         L = self.num_local_experts
         per_expert = routing.sum(dim=0).long()  # [n * L]
         from_ranks = _exchange_counts(per_expert, self.intra_group).view(self.node_ranks, L)  # [source, local]
         self._intra_in = per_expert.view(self.node_ranks, L).sum(dim=1).tolist()
         self._counts = from_ranks.cpu()
         self._intra_out = self._counts.sum(dim=1).tolist()
-        x = _all_to_all(self.intra_group, x.index_select(0, row), self._intra_out, self._intra_in)
-        p = _all_to_all(self.intra_group, p[row, expert], self._intra_out, self._intra_in)
+        x = _all_to_all(self.intra_group, x_sel, self._intra_out, self._intra_in)
+        p = _all_to_all(self.intra_group, p_sel, self._intra_out, self._intra_in)
         return x, p
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -298,10 +328,10 @@ class HierarchicalTokenDispatcher(MoETokenDispatcher):
     def token_combine(self, hidden_states: torch.Tensor):
         """Back to the relay rank, summed there per token, then back across nodes."""
         y = _all_to_all(self.intra_group, hidden_states, self._intra_in, self._intra_out)
-        y = _sum_rows(y, self._relay_row_of, self._relay_rows)
+        y = self._sum_back(y, self._relay_back, self._relay_rows)
         return _all_to_all(self.inter_group, y, self._inter_in, self._inter_out)
 
     def combine_postprocess(self, hidden_states: torch.Tensor):
         """Sum over destination nodes into the original token order."""
-        out = _sum_rows(hidden_states, self._token_of_row, self._tokens)
+        out = self._sum_back(hidden_states, self._inter_back, self._tokens)
         return out.view(self.hidden_shape)

@@ -13,7 +13,8 @@ hierarchical dispatcher of model/hybridep_dispatcher.py.
 ``--moe-permute-fusion`` (on by default with CUDA and triton): the alltoall / allgather dispatchers run
 megatron-core's own methods with ``permute`` / ``unpermute`` resolved to our Triton kernels
 (ops/triton_moe_permute.py: one gather kernel, one deterministic per-token sum); see
-:func:`fused_permute_dispatcher`. The hierarchical and flex dispatchers do not use them.
+:func:`fused_permute_dispatcher`; the hierarchical dispatcher (``--dispatcher hybridep`` without DeepEP) uses the
+same kernels for its two gathers and two sums. The flex (DeepEP) dispatcher has its own.
 
 Experts: all local experts' weights stacked in two tensors (HF layout: gate rows then up rows), applied with
 torch's grouped GEMM (``torch.nn.functional.grouped_mm``); a per-expert loop where grouped_mm is unavailable.
@@ -261,9 +262,10 @@ class GLM5MoELayer(MoELayer):
                 config.moe_token_dispatcher_type = "alltoall"
         super().__init__(config, submodules, layer_number=layer_number, pg_collection=pg_collection,
                          is_mtp_layer=is_mtp_layer, name=name)
-        if backend == "torch":
+        if backend == "torch":  # it reads --moe-permute-fusion itself (its gathers and sums are its own)
             self.token_dispatcher = HierarchicalTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)
+            _log_permute_choice("hybridep (hierarchical)", self.token_dispatcher.fused)
         base = type(self.token_dispatcher)
         if base in _PERMUTING_METHODS:
             fused = moe_permute_fusion_enabled(getattr(self.config, "moe_triton_permute_fusion", None))
