@@ -27,7 +27,7 @@ if HERE not in sys.path:
 from megatron_glm5.ops import backends, reference  # noqa: E402
 from megatron_glm5.ops.cudnn_backend import CudnnBackend  # noqa: E402
 from megatron_glm5.ops.flashmla_backend import FLASHMLA_INSTALL, FlashMLABackend  # noqa: E402
-from test_ops_reference import LAYOUTS  # noqa: E402
+from test_ops_reference import LAYOUTS, int_inputs  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 F64 = torch.float64
@@ -277,10 +277,7 @@ def test_cudnn_indexer_topk_matches_reference_exactly(fakes, layout, topk, chunk
     g = torch.Generator().manual_seed(topk + chunk)
     ks, qe, n_k = LAYOUTS[layout]()
     n_q = ks.numel()
-    # small integers and halves: exact scores whatever the order of summation, and many ties
-    qi = torch.randint(-2, 3, (n_q, 16, 128), generator=g).float()
-    ki = torch.randint(-2, 3, (n_k, 128), generator=g).float()
-    w = torch.randint(-2, 3, (n_q, 16), generator=g).float() * 0.5
+    qi, ki, w = int_inputs(n_q, n_k, 16, 128, g, dtype=torch.float32)  # exact scores, many ties
     got = CudnnBackend().indexer_topk(qi, ki, w, topk, ks, qe, 0.25, chunk_size=chunk)
     want = reference.indexer_topk(qi, ki, w, topk, ks, qe, 0.25)
     assert got.dtype == torch.int32 and torch.equal(got, want)  # same keys, order, tie rule and -1 padding
@@ -397,9 +394,7 @@ def test_gpu_real_cudnn_indexer_topk(layout):
     backend = _real("cudnn")
     gen = torch.Generator(device="cuda").manual_seed(12)
     ks, qe = gpu_layouts()[layout]
-    qi = torch.randint(-2, 3, (S_GPU, HI, DI), device="cuda", generator=gen).bfloat16()
-    ki = torch.randint(-2, 3, (S_GPU, DI), device="cuda", generator=gen).bfloat16()
-    w = torch.randint(-2, 3, (S_GPU, HI), device="cuda", generator=gen).float() * 0.5
+    qi, ki, w = int_inputs(S_GPU, S_GPU, HI, DI, gen, "cuda")
     got = backend.indexer_topk(qi, ki, w, TOPK, ks, qe, 0.25)
     assert torch.equal(got, reference.indexer_topk(qi, ki, w, TOPK, ks, qe, 0.25))
 

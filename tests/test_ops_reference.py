@@ -25,6 +25,16 @@ F64 = torch.float64
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def int_inputs(n_q, n_k, heads, dim, gen, device="cpu", dtype=torch.bfloat16):
+    """Indexer inputs of small integers (q, k in ``dtype``; weights fp32 halves): every index score is exact in
+    fp32 whatever the summation order, and ties (zeros from all-negative heads, equal sums) are frequent -- so a
+    top-k must match the reference exactly, tie rule included."""
+    q = torch.randint(-2, 3, (n_q, heads, dim), generator=gen, device=device).to(dtype)
+    k = torch.randint(-2, 3, (n_k, dim), generator=gen, device=device).to(dtype)
+    w = torch.randint(-2, 3, (n_q, heads), generator=gen, device=device).float() * 0.5
+    return q, k, w
+
+
 def batch_layout(lengths):
     """Batch of causal sequences of different lengths folded into one token axis."""
     ks, qe, off = [], [], 0

@@ -18,21 +18,12 @@ import torch
 from megatron_glm5.ops import flashmla_backend, reference
 from megatron_glm5.ops import tilelang_indexer as tli
 from megatron_glm5.ops.tilelang_sparse_mla import TilelangBackend
-from test_ops_reference import LAYOUTS, batch_layout, packed_layout
+from test_ops_reference import LAYOUTS, batch_layout, int_inputs, packed_layout
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton): the "
                                                            "shared top-k driver is triton_indexer's")
-
-
-def int_inputs(n_q, n_k, heads, dim, gen, device="cpu"):
-    """Small integers (and halves) in bf16: every index score is exact in fp32 whatever the summation order, and
-    ties (zeros from all-negative heads, equal sums) are frequent."""
-    q = torch.randint(-2, 3, (n_q, heads, dim), generator=gen, device=device).bfloat16()
-    k = torch.randint(-2, 3, (n_k, dim), generator=gen, device=device).bfloat16()
-    w = torch.randint(-2, 3, (n_q, heads), generator=gen, device=device).float() * 0.5
-    return q, k, w
 
 
 def decode_scores(keys):

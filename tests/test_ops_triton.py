@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_glm5.ops import reference
-from test_ops_reference import LAYOUTS, batch_layout, packed_layout
+from test_ops_reference import LAYOUTS, batch_layout, int_inputs, packed_layout
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
@@ -39,15 +39,6 @@ def random_indices(key_start, query_end, topk, gen, holes=True):
     return torch.stack(rows)
 
 
-def int_inputs(n_q, n_k, heads, dim, gen):
-    """Small integers (and halves): every index score is exact in fp32 whatever the summation order, and ties
-    are frequent -- so the top-k must match the reference exactly, tie rule included."""
-    q = torch.randint(-2, 3, (n_q, heads, dim), generator=gen).float()
-    k = torch.randint(-2, 3, (n_k, dim), generator=gen).float()
-    w = torch.randint(-2, 3, (n_q, heads), generator=gen).float() * 0.5
-    return q, k, w
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # CPU: interpreter
 # ----------------------------------------------------------------------------------------------------------------------
@@ -67,7 +58,7 @@ def build_cases():
     cases = {}
     for name, topk in TOPK_CASES:
         ks, qe, n_k = LAYOUTS[name]()
-        q, k, w = int_inputs(ks.numel(), n_k, 4, 16, g)
+        q, k, w = int_inputs(ks.numel(), n_k, 4, 16, g, dtype=torch.float32)
         if True:
             cases[f"topk_{name}_{topk}"] = dict(kind="topk", q_idx=q, k_idx=k, weights=w, topk=topk, key_start=ks,
                                                 query_end=qe, scale=0.25)
@@ -280,9 +271,7 @@ def test_gpu_indexer_topk_real_shapes(layout):
     gen = torch.Generator(device="cuda").manual_seed(2)
     ks, qe = gpu_layouts()[layout]
     # exact arithmetic at real shapes: identical lists, tie rule included
-    qi = torch.randint(-2, 3, (S_GPU, HI, DI), device="cuda", generator=gen).bfloat16()
-    ki = torch.randint(-2, 3, (S_GPU, DI), device="cuda", generator=gen).bfloat16()
-    w = torch.randint(-2, 3, (S_GPU, HI), device="cuda", generator=gen).float() * 0.5
+    qi, ki, w = int_inputs(S_GPU, S_GPU, HI, DI, gen, "cuda")
     got = triton_indexer.indexer_topk(qi, ki, w, TOPK, ks, qe, 0.25)
     assert torch.equal(got, reference.indexer_topk(qi, ki, w, TOPK, ks, qe, 0.25))
     # random bf16 data: same sets except where two scores are within fp32 rounding of the k-th score
