@@ -108,7 +108,7 @@ def test_backend_uses_our_head_sums_with_lse_and_triton_otherwise(monkeypatch, c
     def fake_loss(q_idx, k_idx, weights, idx_scale, q, kv, scale, indices, d_v, head_probs=None, attn_lse=None,
                   **kw):
         calls.append(head_probs)
-        if head_probs is None:  # the Triton backend's call: its own head sums
+        if head_probs is triton_kl.head_summed_probs:  # the Triton backend's own head sums
             return None, kw
         return head_probs(q, kv, indices, scale, d_v, attn_lse=attn_lse), kw
 
@@ -126,7 +126,7 @@ def test_backend_uses_our_head_sums_with_lse_and_triton_otherwise(monkeypatch, c
         for _ in range(2):  # without the forward's lse: the Triton head sums, logged once
             b.indexer_kl_loss(qi, ki, w, 0.25, q, kv, 0.07, None, None, indices=idx)
         b.indexer_kl_loss(qi, ki, w, 0.25, q.float(), kv.float(), 0.07, None, None, indices=idx, attn_lse=lse)
-    assert calls[1:] == [None, None, None]  # fake_loss's default: triton_kl's own head_summed_probs is not replaced
+    assert calls[1:] == [triton_kl.head_summed_probs] * 3  # the Triton backend's own head sums
     assert caplog.text.count("--attn tilelang: the TileLang KL target needs the sparse forward's lse (attn_lse); "
                              "using the Triton backend for this op") == 1
     assert "--attn tilelang: the TileLang KL target is bf16 only (got torch.float32 / torch.float32)" in caplog.text

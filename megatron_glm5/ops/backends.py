@@ -198,7 +198,13 @@ class TritonBackend(AttentionBackend):
             q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, indices, split[0],
             token_mask=token_mask, head_sum_reduce=head_sum_reduce, attn_lse=attn_lse,
             deterministic=self.deterministic,
+            head_probs=self.kl_head_probs(q, kv, indices, split[0], attn_lse) or triton_kl.head_summed_probs,
         )
+
+    def kl_head_probs(self, q, kv, indices, d_v, attn_lse):
+        """Another kernel for the KL target's head sums (``triton_kl.head_summed_probs``'s signature) for these
+        inputs, or None: the Triton one. Backends built on this one override it."""
+        return None
 
 
 class PendingGPUBackend(AttentionBackend):

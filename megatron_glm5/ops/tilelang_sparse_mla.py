@@ -43,7 +43,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .backends import TritonBackend, _pow2_split
+from .backends import TritonBackend
 from .flashmla_backend import _triton_backward_reason, pad_topk, warn_once
 
 logger = logging.getLogger("megatron_glm5.ops")
@@ -325,25 +325,12 @@ class TilelangBackend(TritonBackend):
             warn_once(self.name, why)
         return super().sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
 
-    def indexer_kl_loss(
-        self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
-        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
-    ):
-        split = _pow2_split(q.shape[-1])
-        d_i = q_idx.shape[-1]
-        args = (q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end)
-        kw = dict(indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
-                  attn_lse=attn_lse)
-        if indices is None or split is None or d_i & (d_i - 1):  # the Triton backend's own torch fallbacks
-            return super().indexer_kl_loss(*args, **kw)
-        from . import tilelang_kl, triton_kl  # our one-pass head sums (the target); the indexer side is Triton's
+    def kl_head_probs(self, q, kv, indices, d_v, attn_lse):
+        """The KL target's head sums: our one-pass TileLang kernel (the indexer side of the loss stays Triton's)."""
+        from . import tilelang_kl
 
-        why = tilelang_kl.head_probs_unsupported_reason(q, kv, indices, split[0], attn_lse)
+        why = tilelang_kl.head_probs_unsupported_reason(q, kv, indices, d_v, attn_lse)
         if why is not None:
             warn_once(self.name, why)
-            return super().indexer_kl_loss(*args, **kw)
-        return triton_kl.indexer_kl_loss_sparse(
-            q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, indices, split[0],
-            token_mask=token_mask, head_sum_reduce=head_sum_reduce, attn_lse=attn_lse,
-            deterministic=self.deterministic, head_probs=tilelang_kl.tilelang_head_summed_probs,
-        )
+            return None
+        return tilelang_kl.tilelang_head_summed_probs
