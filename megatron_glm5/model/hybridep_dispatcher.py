@@ -240,16 +240,16 @@ class HierarchicalTokenDispatcher(MoETokenDispatcher):
 
         self.fused = moe_permute_fusion_enabled(getattr(config, "moe_triton_permute_fusion", None))
 
-    def _gather(self, x: torch.Tensor, routing: torch.Tensor, col: torch.Tensor, row: torch.Tensor,
-                probs: Optional[torch.Tensor] = None):
-        """Rows of x for the routed pairs (col, row) = ``routing.t().nonzero()`` of routing [rows, cols], in that
-        column-major order, with probs[row, col] when probs are given; and what sums them back (:meth:`_sum_back`):
-        the fused kernels' row map, else the row index."""
+    def _gather(self, x: torch.Tensor, routing: torch.Tensor, probs: Optional[torch.Tensor] = None, pairs=None):
+        """Rows of x for the routed pairs (col, row) = ``routing.t().nonzero()`` of routing [rows, cols] (``pairs``
+        when the caller has them), in that column-major order, with probs[row, col] when probs are given; and what
+        sums them back (:meth:`_sum_back`): the fused kernels' row map, else the row index."""
         if not self.fused:
+            col, row = pairs if pairs is not None else routing.t().nonzero(as_tuple=True)
             return x.index_select(0, row), (probs[row, col] if probs is not None else None), row
         from megatron_glm5.ops import triton_moe_permute as fused
 
-        row_map = fused.build_row_map(routing, row.numel())
+        row_map = fused.build_row_map(routing, pairs[1].numel() if pairs is not None else None)
         rows, p = fused.permute_tokens(x, row_map, probs)
         return rows, p, row_map
 
@@ -275,7 +275,7 @@ class HierarchicalTokenDispatcher(MoETokenDispatcher):
         dest_node, token = node_map.t().nonzero(as_tuple=True)
         self._tokens = tokens
         self._inter_send = node_map.sum(dim=0)
-        x, _, self._inter_back = self._gather(hidden, node_map, dest_node, token)
+        x, _, self._inter_back = self._gather(hidden, node_map, pairs=(dest_node, token))
         p = probs.reshape(tokens, self.num_nodes, per_node)[token, dest_node]
         self._relay_routing = node_routing[token, dest_node]
         return x, p
@@ -293,8 +293,7 @@ class HierarchicalTokenDispatcher(MoETokenDispatcher):
         self._relay_rows = x.shape[0]
 
         # on the relay rank: one row per (selected expert of this node, token), expert-major
-        expert, row = routing.t().nonzero(as_tuple=True)
-        x_sel, p_sel, self._relay_back = self._gather(x, routing, expert, row, p)
+        x_sel, p_sel, self._relay_back = self._gather(x, routing, p)
         L = self.num_local_experts
         per_expert = routing.sum(dim=0).long()  # [n * L]
         from_ranks = _exchange_counts(per_expert, self.intra_group).view(self.node_ranks, L)  # [source, local]
