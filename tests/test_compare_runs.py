@@ -46,3 +46,17 @@ def test_bad_inputs_name_the_file(tmp_path):
     assert r.returncode != 0 and "c.jsonl:2: not a metrics record" in r.stderr
     r = _compare(ref, ref, "--key", "grad-norm")
     assert r.returncode != 0 and "logged no 'grad-norm'" in r.stderr
+
+
+def test_a_torn_last_line_is_skipped_a_torn_middle_line_is_an_error(tmp_path):
+    ref = _run_dir(tmp_path, "a", {1: 10.0, 2: 8.0})
+    run = _run_dir(tmp_path, "b", {1: 10.0, 2: 8.0})
+    with open(run / "tensorboard" / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 3, "lm-lo')  # a crash or a full disk in the middle of a record
+    r = _compare(ref, run, "--tolerance", "1e-6")
+    assert r.returncode == 0, r.stderr
+    assert "skipping an incomplete last line" in r.stderr
+    text = (run / "tensorboard" / "metrics.jsonl").read_text()
+    (run / "tensorboard" / "metrics.jsonl").write_text(text + "\n" + json.dumps({"iteration": 4, "lm-loss": 1}) + "\n")
+    r = _compare(ref, run)
+    assert r.returncode != 0 and "metrics.jsonl:3: not a metrics record" in r.stderr

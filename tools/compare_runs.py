@@ -30,13 +30,18 @@ def load_curves(path: Path) -> Dict[str, Dict[int, float]]:
     """{metric: {iteration: value}} from a metrics.jsonl (later records of an iteration win, as after a resume)."""
     f = _metrics_file(path)
     curves: Dict[str, Dict[int, float]] = {}
-    for n, line in enumerate(f.read_text().splitlines(), 1):
+    text = f.read_text(errors="replace")
+    lines = text.splitlines()
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
             it = int(rec["iteration"])
         except (ValueError, KeyError, TypeError) as e:
+            if n == len(lines) and not text.endswith("\n"):  # a last line torn by a crash or a full disk
+                print(f"compare_runs: {f}:{n}: skipping an incomplete last line", file=sys.stderr)
+                break
             raise SystemExit(f"compare_runs: {f}:{n}: not a metrics record ({e})")
         for k, v in rec.items():
             if k != "iteration" and isinstance(v, (int, float)):
