@@ -212,11 +212,11 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             lambda: triton_kl.indexer_kl_loss_sparse(qi, ki, w, DI ** -0.5, p.q, p.kv, p.scale, p.indices, DV,
                                                      attn_lse=lse, deterministic=det)[0].backward(),
             p.refill, max(5, reps // 4)))
-    from megatron_glm5.ops import flashmla_backend
+    from megatron_glm5.ops import flashmla_sparse_mla
 
-    if flashmla_backend.probe_flash_mla():  # peer kernel, when FlashMLA is built on this machine
+    if flashmla_sparse_mla.probe_flash_mla():  # peer kernel, when FlashMLA is built on this machine
         add("sparse_mla fwd (FlashMLA flash_mla_sparse_fwd)", timed(
-            lambda: flashmla_backend.flash_mla_sparse_forward(p.q, p.kv, p.indices, p.scale, DV), p.refill, reps),
+            lambda: flashmla_sparse_mla.flash_mla_sparse_forward(p.q, p.kv, p.indices, p.scale, DV), p.refill, reps),
             p.fwd_flop)
     if has_tilelang:  # our TileLang forward and backward
         from megatron_glm5.ops import tilelang_sparse_mla_bwd

@@ -61,7 +61,7 @@ __all__ = [
 logger = logging.getLogger("megatron_glm5.arguments")
 
 MODES = ("finetune", "pretrain")
-ATTN_BACKENDS = ("auto", "torch", "triton", "tilelang", "cudnn", "flashmla")
+from megatron_glm5.ops.registry import ATTN_CHOICES as ATTN_BACKENDS  # noqa: E402  "auto" + the registry's names
 DSA_STAGES = ("dense-warmup", "sparse")
 DISPATCHERS = ("alltoall", "allgather", "hybridep")
 LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")

@@ -1,4 +1,5 @@
-"""Tests of ``--attn flashmla`` and ``--attn cudnn`` (megatron_glm5/ops/flashmla_backend.py, cudnn_backend.py).
+"""Tests of ``--attn flashmla`` and ``--attn cudnn`` (megatron_glm5/ops/flashmla_backend.py, cudnn_backend.py,
+flashmla_sparse_mla.py).
 
 CPU: the real libraries cannot run here, so fake ``flash_mla`` and ``cudnn`` modules implementing the DOCUMENTED
 contracts in plain torch (their layouts, dtypes, limits and lse conventions: FlashMLA's lse is +inf for a query
@@ -24,9 +25,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from megatron_glm5.ops import backends, reference  # noqa: E402
+from megatron_glm5.ops import base, reference, registry  # noqa: E402
 from megatron_glm5.ops.cudnn_backend import CudnnBackend  # noqa: E402
-from megatron_glm5.ops.flashmla_backend import FLASHMLA_INSTALL, FlashMLABackend  # noqa: E402
+from megatron_glm5.ops.flashmla_backend import FlashMLABackend  # noqa: E402
+from megatron_glm5.ops.flashmla_sparse_mla import FLASHMLA_INSTALL  # noqa: E402
+from megatron_glm5.ops.triton_backend import TritonBackend  # noqa: E402
 from test_ops_reference import LAYOUTS, int_inputs  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -213,39 +216,39 @@ def assert_matches_reference(got, c, with_lse_grad, grad_tol):
 def test_missing_packages_name_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_mla", None)  # import flash_mla -> ImportError
     monkeypatch.setitem(sys.modules, "cudnn", None)
-    monkeypatch.setitem(backends.BACKENDS, "flashmla", FlashMLABackend())
-    monkeypatch.setitem(backends.BACKENDS, "cudnn", CudnnBackend())
+    monkeypatch.setitem(registry.BACKENDS, "flashmla", FlashMLABackend())
+    monkeypatch.setitem(registry.BACKENDS, "cudnn", CudnnBackend())
     for name, needle in (("flashmla", FLASHMLA_INSTALL), ("cudnn", "pip install 'megatron-glm5[cudnn]'")):
-        assert not backends.BACKENDS[name].available()
-        with pytest.raises(backends.BackendUnavailable) as e:
-            backends.get_backend(name)
+        assert not registry.BACKENDS[name].available()
+        with pytest.raises(base.BackendUnavailable) as e:
+            registry.get_backend(name)
         assert needle in str(e.value) and "\n" not in str(e.value)
     assert FLASHMLA_INSTALL.startswith("build FlashMLA from source: https://github.com/deepseek-ai/FlashMLA")
     # a cudnn frontend without the DSA ops (old release, or nvidia-cutlass-dsl missing)
     monkeypatch.setitem(sys.modules, "cudnn", fake_cudnn_module(with_dsa=False))
-    with pytest.raises(backends.BackendUnavailable, match=r"cudnn frontend 1\.32\.0\+fake cannot load its DSA ops"):
+    with pytest.raises(base.BackendUnavailable, match=r"cudnn frontend 1\.32\.0\+fake cannot load its DSA ops"):
         CudnnBackend().check()
-    assert backends.get_backend("auto").name in ("triton", "torch")  # never a backend that cannot run
+    assert registry.get_backend("auto").name in ("triton", "torch")  # never a backend that cannot run
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 def test_installed_packages_need_cuda_then_are_chosen(monkeypatch, fakes):
-    monkeypatch.setitem(backends.BACKENDS, "flashmla", FlashMLABackend())
-    monkeypatch.setitem(backends.BACKENDS, "cudnn", CudnnBackend())
-    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    monkeypatch.setitem(registry.BACKENDS, "flashmla", FlashMLABackend())
+    monkeypatch.setitem(registry.BACKENDS, "cudnn", CudnnBackend())
+    monkeypatch.setattr(base, "cuda_available", lambda: False)
     for name in ("flashmla", "cudnn"):
-        with pytest.raises(backends.BackendUnavailable, match=f"--attn {name} needs a CUDA GPU"):
-            backends.get_backend(name)
-    monkeypatch.setattr(backends, "_cuda_available", lambda: True)
-    assert backends.get_backend("cudnn") is backends.BACKENDS["cudnn"]
-    assert backends.get_backend("flash_mla") is backends.BACKENDS["flashmla"]
-    assert backends.get_backend("auto").name == "cudnn"  # AUTO_PREFERENCE order (fastest first), both available
+        with pytest.raises(base.BackendUnavailable, match=f"--attn {name} needs a CUDA GPU"):
+            registry.get_backend(name)
+    monkeypatch.setattr(base, "cuda_available", lambda: True)
+    assert registry.get_backend("cudnn") is registry.BACKENDS["cudnn"]
+    assert registry.get_backend("flash_mla") is registry.BACKENDS["flashmla"]
+    assert registry.get_backend("auto").name == "cudnn"  # AUTO_PREFERENCE order (fastest first), both available
 
 
 def test_unsupported_shapes_use_the_triton_backend(monkeypatch, fakes, caplog):
     calls = []
-    monkeypatch.setattr(backends.TritonBackend, "sparse_mla", lambda self, *a, **k: calls.append("mla"))
-    monkeypatch.setattr(backends.TritonBackend, "indexer_topk", lambda self, *a, **k: calls.append("topk"))
+    monkeypatch.setattr(TritonBackend, "sparse_mla", lambda self, *a, **k: calls.append("mla"))
+    monkeypatch.setattr(TritonBackend, "indexer_topk", lambda self, *a, **k: calls.append("topk"))
     q, kv, idx = torch.zeros(3, 16, DQK, dtype=torch.bfloat16), torch.zeros(5, DQK, dtype=torch.bfloat16), \
         torch.zeros(3, 4, dtype=torch.int32)
     FlashMLABackend().sparse_mla(q, kv, idx, 0.1, DV)  # 16 heads: not a FlashMLA head count
@@ -365,7 +368,7 @@ def _real(name):
         pytest.skip("needs a CUDA GPU (run on the device machine)")
     try:
         backend.check()
-    except backends.BackendUnavailable as e:
+    except base.BackendUnavailable as e:
         pytest.skip(str(e))
     return backend
 

@@ -1,4 +1,4 @@
-"""Tests of megatron_glm5.ops.reference (against full-matrix float64 oracles) and megatron_glm5.ops.backends."""
+"""Tests of megatron_glm5.ops.reference (against full-matrix float64 oracles) and the backend registry (ops/registry.py)."""
 
 import logging
 
@@ -7,7 +7,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_glm5.ops import backends, reference
+from megatron_glm5.ops import base, reference, registry
+from megatron_glm5.ops.pending_backend import PendingGPUBackend
 from megatron_glm5.ops.reference import (
     indexer_kl_loss,
     indexer_kl_loss_naive,
@@ -425,12 +426,12 @@ def test_memory_lean_at_4096_tokens():
 
 
 def test_get_backend_auto_and_torch(caplog, monkeypatch):
-    monkeypatch.setattr(backends, "_logged", set())
-    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
+    monkeypatch.setattr(registry, "_logged", set())
+    monkeypatch.setattr(base, "cuda_available", lambda: False)
     with caplog.at_level(logging.INFO, logger="megatron_glm5.ops"):
-        b = backends.get_backend("auto")
-        assert b.name == "torch" and b is backends.get_backend("torch") and b.available()
-        backends.get_backend("auto")
+        b = registry.get_backend("auto")
+        assert b.name == "torch" and b is registry.get_backend("torch") and b.available()
+        registry.get_backend("auto")
     assert sum("attention backend: torch" in r.getMessage() for r in caplog.records) == 1  # once per process
     ks, qe, n_k = batch_layout([9])
     x = make_inputs(9, n_k, seed=16)
@@ -440,7 +441,7 @@ def test_get_backend_auto_and_torch(caplog, monkeypatch):
 
 def test_get_backend_unknown_name():
     with pytest.raises(ValueError) as e:
-        backends.get_backend("flashattn9")
+        registry.get_backend("flashattn9")
     for choice in ("auto", "torch", "triton", "tilelang", "cudnn", "flashmla"):
         assert choice in str(e.value)
 
@@ -455,29 +456,30 @@ def test_get_backend_unknown_name():
     ],
 )
 def test_get_backend_missing_package(monkeypatch, name, needle):
-    monkeypatch.setattr(backends.BACKENDS[name], "_has_package", False)
-    assert not backends.BACKENDS[name].available()
-    with pytest.raises(backends.BackendUnavailable) as e:
-        backends.get_backend(name)
+    backend = registry.BACKENDS[name]
+    monkeypatch.setattr(getattr(backend, "fallback", backend), "_has_package", False)  # triton missing too
+    assert not registry.BACKENDS[name].available()
+    with pytest.raises(base.BackendUnavailable) as e:
+        registry.get_backend(name)
     assert isinstance(e.value, ImportError)
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_get_backend_no_cuda_and_not_shipped(monkeypatch):
-    pending = backends.PendingGPUBackend("tilelang", "tilelang", "pip install 'megatron-glm5[tilelang]'")
-    monkeypatch.setitem(backends.BACKENDS, "tilelang", pending)  # the placeholder class, on a registered name
+    pending = PendingGPUBackend("tilelang", "tilelang", "pip install 'megatron-glm5[tilelang]'")
+    monkeypatch.setitem(registry.BACKENDS, "tilelang", pending)  # the placeholder class, on a registered name
     monkeypatch.setattr(pending, "_has_package", True)
-    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
-    with pytest.raises(backends.BackendUnavailable, match="needs a CUDA GPU"):
-        backends.get_backend("tilelang")
-    monkeypatch.setattr(backends, "_cuda_available", lambda: True)
+    monkeypatch.setattr(base, "cuda_available", lambda: False)
+    with pytest.raises(base.BackendUnavailable, match="needs a CUDA GPU"):
+        registry.get_backend("tilelang")
+    monkeypatch.setattr(base, "cuda_available", lambda: True)
     assert pending.available()
-    with pytest.raises(backends.BackendUnavailable, match="--attn tilelang: kernels arrive in a later release; use"):
-        backends.get_backend("tilelang")
-    with pytest.raises(backends.BackendUnavailable):
+    with pytest.raises(base.BackendUnavailable, match="--attn tilelang: kernels arrive in a later release; use"):
+        registry.get_backend("tilelang")
+    with pytest.raises(base.BackendUnavailable):
         pending.sparse_mla(None, None, None, 1.0, 1)
     # auto never picks a backend without kernels
-    assert backends.get_backend("auto").name in ("triton", "torch")  # triton has kernels when installed
+    assert registry.get_backend("auto").name in ("triton", "torch")  # triton has kernels when installed
 
 
 def test_windows_host_copy_is_reused_only_for_the_same_unmodified_tensors():

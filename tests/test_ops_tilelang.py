@@ -19,10 +19,12 @@ import sys
 import pytest
 import torch
 
-from megatron_glm5.ops import backends, flashmla_backend, reference
+from megatron_glm5.ops import base, reference, registry
 from megatron_glm5.ops import tilelang_sparse_mla as tlm
 from megatron_glm5.ops import tilelang_sparse_mla_bwd as tlb
-from megatron_glm5.ops.tilelang_sparse_mla import TILELANG_INSTALL, TilelangBackend
+from megatron_glm5.ops.tilelang_backend import TilelangBackend
+from megatron_glm5.ops.tilelang_sparse_mla import TILELANG_INSTALL
+from megatron_glm5.ops.triton_backend import TritonBackend
 from test_ops_triton import rel_l2
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
@@ -50,43 +52,43 @@ def _inputs(n_q, n_k, heads, topk, seed, dtype=torch.bfloat16, empty_rows=()):
 
 def test_missing_tilelang_names_the_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "tilelang", None)  # import tilelang -> ImportError
-    monkeypatch.setitem(backends.BACKENDS, "tilelang", TilelangBackend())
-    assert not backends.BACKENDS["tilelang"].available()
-    with pytest.raises(backends.BackendUnavailable) as e:
-        backends.get_backend("tilelang")
+    monkeypatch.setitem(registry.BACKENDS, "tilelang", TilelangBackend())
+    assert not registry.BACKENDS["tilelang"].available()
+    with pytest.raises(base.BackendUnavailable) as e:
+        registry.get_backend("tilelang")
     assert str(e.value) == f"--attn tilelang needs the tilelang package: {TILELANG_INSTALL}"
     assert TILELANG_INSTALL == "pip install 'megatron-glm5[tilelang]'"
-    assert backends.get_backend("auto").name != "tilelang"
+    assert registry.get_backend("auto").name != "tilelang"
 
 
 def test_auto_prefers_tilelang_after_cudnn(monkeypatch):
     """--attn auto's order is the measured one (proxy step on the H200): cudnn, tilelang, flashmla, triton."""
     avail = {"cudnn": False, "tilelang": True, "flashmla": True, "triton": True}
     for name, ok in avail.items():
-        monkeypatch.setattr(backends.BACKENDS[name], "available", lambda ok=ok: ok)
-    assert backends.get_backend("auto").name == "tilelang"
-    monkeypatch.setattr(backends.BACKENDS["tilelang"], "available", lambda: False)
-    assert backends.get_backend("auto").name == "flashmla"
-    monkeypatch.setattr(backends.BACKENDS["cudnn"], "available", lambda: True)
-    assert backends.get_backend("auto").name == "cudnn"
+        monkeypatch.setattr(registry.BACKENDS[name], "available", lambda ok=ok: ok)
+    assert registry.get_backend("auto").name == "tilelang"
+    monkeypatch.setattr(registry.BACKENDS["tilelang"], "available", lambda: False)
+    assert registry.get_backend("auto").name == "flashmla"
+    monkeypatch.setattr(registry.BACKENDS["cudnn"], "available", lambda: True)
+    assert registry.get_backend("auto").name == "cudnn"
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 def test_installed_tilelang_needs_cuda_then_is_chosen(monkeypatch):
     monkeypatch.setitem(sys.modules, "tilelang", type(sys)("tilelang"))  # an importable stand-in
-    monkeypatch.setitem(backends.BACKENDS, "tilelang", TilelangBackend())
-    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
-    with pytest.raises(backends.BackendUnavailable, match="--attn tilelang needs a CUDA GPU"):
-        backends.get_backend("tilelang")
-    monkeypatch.setattr(backends, "_cuda_available", lambda: True)
-    assert backends.get_backend("tilelang") is backends.BACKENDS["tilelang"]
+    monkeypatch.setitem(registry.BACKENDS, "tilelang", TilelangBackend())
+    monkeypatch.setattr(base, "cuda_available", lambda: False)
+    with pytest.raises(base.BackendUnavailable, match="--attn tilelang needs a CUDA GPU"):
+        registry.get_backend("tilelang")
+    monkeypatch.setattr(base, "cuda_available", lambda: True)
+    assert registry.get_backend("tilelang") is registry.BACKENDS["tilelang"]
 
 
 def test_unsupported_shapes_use_the_triton_backend_with_one_warning(monkeypatch, caplog):
     calls = []
-    monkeypatch.setattr(backends.TritonBackend, "sparse_mla", lambda self, *a, **k: calls.append(a[0].dtype))
+    monkeypatch.setattr(TritonBackend, "sparse_mla", lambda self, *a, **k: calls.append(a[0].dtype))
     monkeypatch.setattr(tlm, "tilelang_sparse_fwd", lambda *a, **k: pytest.fail("the TileLang kernel was called"))
-    monkeypatch.setattr(flashmla_backend, "_warned", set())
+    monkeypatch.setattr(base, "_warned", set())
     q, kv, idx = _inputs(3, 5, 16, 4, seed=0)
     b = TilelangBackend()
     with caplog.at_level(logging.WARNING, logger="megatron_glm5.ops"):
@@ -158,7 +160,7 @@ def test_supported_shapes_take_the_tilelang_forward(monkeypatch):
         return o.to(q.dtype), l_
 
     monkeypatch.setattr(tlm, "tilelang_sparse_fwd", fake_fwd)
-    monkeypatch.setattr(backends.TritonBackend, "sparse_mla", lambda *a, **k: pytest.fail("fell back to Triton"))
+    monkeypatch.setattr(TritonBackend, "sparse_mla", lambda *a, **k: pytest.fail("fell back to Triton"))
     q, kv, idx = _inputs(4, 7, 8, 5, seed=3)
     out, lse = TilelangBackend().sparse_mla(q, kv, idx, 0.2, DV)
     assert seen == [((4, 8, DQK), 0.2, DV)] and out.dtype == torch.bfloat16 and lse.shape == (4, 8)
@@ -254,7 +256,7 @@ def test_backward_falls_back_to_triton_for_deterministic_mode_and_unsupported_sh
     calls = []
     _fake_triton_module(monkeypatch, calls)
     monkeypatch.setattr(tlb, "_compiled", lambda *a: pytest.fail("the TileLang backward kernel was called"))
-    monkeypatch.setattr(flashmla_backend, "_warned", set())
+    monkeypatch.setattr(base, "_warned", set())
     q, kv, idx = _inputs(3, 5, 16, 4, seed=1)
     d_out = torch.ones(3, 16, DV, dtype=torch.bfloat16)
     out, lse = torch.zeros(3, 16, DV, dtype=torch.bfloat16), torch.zeros(3, 16)

@@ -15,9 +15,9 @@ import re
 import pytest
 import torch
 
-from megatron_glm5.ops import flashmla_backend, reference
+from megatron_glm5.ops import base, reference
 from megatron_glm5.ops import tilelang_indexer as tli
-from megatron_glm5.ops.tilelang_sparse_mla import TilelangBackend
+from megatron_glm5.ops.tilelang_backend import TilelangBackend
 from test_ops_reference import LAYOUTS, batch_layout, int_inputs, packed_layout
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
@@ -111,7 +111,7 @@ def test_backend_uses_the_tilelang_indexer_and_falls_back_with_one_warning(monke
     seen = []
     monkeypatch.setattr(tli, "tilelang_indexer_topk", lambda q, *a, **k: seen.append(tuple(q.shape)) or "tl")
     monkeypatch.setattr(triton_indexer, "indexer_topk", lambda q, *a, **k: seen.append(("triton", q.dtype)) or "tr")
-    monkeypatch.setattr(flashmla_backend, "_warned", set())
+    monkeypatch.setattr(base, "_warned", set())
     ks, qe, n_k = batch_layout([6])
     q, k, w = int_inputs(6, n_k, 32, 128, torch.Generator().manual_seed(0))
     b = TilelangBackend()

@@ -16,10 +16,10 @@ import logging
 import pytest
 import torch
 
-from megatron_glm5.ops import flashmla_backend, reference
+from megatron_glm5.ops import base, reference
 from megatron_glm5.ops import tilelang_kl as tlk
 from megatron_glm5.ops import tilelang_sparse_mla as tlm
-from megatron_glm5.ops.tilelang_sparse_mla import TilelangBackend
+from megatron_glm5.ops.tilelang_backend import TilelangBackend
 from test_ops_tilelang import DQK, DV, H200_SHARED_BYTES, _inputs, needs_tilelang, nvcc_cubin
 from test_ops_triton import rel_l2
 
@@ -114,7 +114,7 @@ def test_backend_uses_our_head_sums_with_lse_and_triton_otherwise(monkeypatch, c
 
     monkeypatch.setattr(triton_kl, "indexer_kl_loss_sparse", fake_loss)
     monkeypatch.setattr(tlk, "_compiled", lambda *a: StandInKernel(*a))
-    monkeypatch.setattr(flashmla_backend, "_warned", set())
+    monkeypatch.setattr(base, "_warned", set())
     q, kv, idx = _inputs(5, 90, 64, 64, seed=3)
     _, lse = reference.sparse_mla(q.float(), kv.float(), idx.long(), 0.07, DV)
     qi, ki, w = torch.randn(5, 4, 16), torch.randn(90, 16), torch.randn(5, 4)
@@ -243,7 +243,7 @@ def test_gpu_head_probs_padded_heads_and_rows_without_keys(heads):
 def test_gpu_backend_indexer_kl_loss_matches_triton_backend(layout):
     from test_ops_triton import DI, HI, S_GPU, TOPK, gpu_causal_indices, gpu_layouts
 
-    from megatron_glm5.ops.backends import TritonBackend
+    from megatron_glm5.ops.triton_backend import TritonBackend
 
     gen = torch.Generator(device="cuda").manual_seed(33)
     ks, qe = gpu_layouts()[layout]

@@ -166,16 +166,17 @@ def test_interp_backend_dense_falls_back_and_sparse_uses_kernel(interp):
 
 @needs_triton
 def test_backend_registry_and_deterministic_env(monkeypatch):
-    from megatron_glm5.ops import backends
+    from megatron_glm5.ops import base, registry
+    from megatron_glm5.ops.triton_backend import TritonBackend
 
-    b = backends.BACKENDS["triton"]
-    assert isinstance(b, backends.TritonBackend) and b.implemented
-    monkeypatch.setattr(backends, "_cuda_available", lambda: False)
-    with pytest.raises(backends.BackendUnavailable, match="--attn triton needs a CUDA GPU"):
-        backends.get_backend("triton")
-    assert backends.get_backend("auto").name == "torch"
-    monkeypatch.setattr(backends, "_cuda_available", lambda: True)
-    assert backends.get_backend("triton") is b and backends.get_backend("auto") is b
+    b = registry.BACKENDS["triton"]
+    assert isinstance(b, TritonBackend) and b.implemented
+    monkeypatch.setattr(base, "cuda_available", lambda: False)
+    with pytest.raises(base.BackendUnavailable, match="--attn triton needs a CUDA GPU"):
+        registry.get_backend("triton")
+    assert registry.get_backend("auto").name == "torch"
+    monkeypatch.setattr(base, "cuda_available", lambda: True)
+    assert registry.get_backend("triton") is b and registry.get_backend("auto") is b
     code = ("import os, sys; os.environ['GLM5_TRITON_DETERMINISTIC'] = sys.argv[1]; "
             "from megatron_glm5.ops import triton_sparse_mla as m; print(m.deterministic_default())")
     outs = [subprocess.run([sys.executable, "-c", code, v], capture_output=True, text=True, timeout=120)

@@ -58,7 +58,7 @@ def run_kl(c):
 
 
 def run_backend(c):
-    from megatron_glm5.ops.backends import TritonBackend
+    from megatron_glm5.ops.triton_backend import TritonBackend
 
     b = TritonBackend(deterministic=True)
     out_dense, _ = b.sparse_mla(c["q"], c["kv"], None, c["scale"], c["d_v"], c["key_start"], c["query_end"])

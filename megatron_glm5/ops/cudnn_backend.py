@@ -23,6 +23,9 @@ nvidia-cutlass-dsl, cuda-python, apache-tvm-ffi).  The API is marked experimenta
         short rows padded with -1 / -inf.
 
 What each op runs here:
+Every op or shape the cuDNN kernels do not cover goes to ``self.fallback``, the Triton backend, with a warning
+logged once per reason.
+
   * indexer_topk: the cuDNN indexer forward + top-k, in query chunks.  For a chunk we pass the key rows
     [lo, hi) it can see, set q_causal_offsets = hi - lo - 1 (so the kernel's causal mask keeps every passed
     column), mask the exact windows key_start <= j <= query_end ourselves (-inf), run the deterministic top-k and
@@ -30,7 +33,7 @@ What each op runs here:
     of ``reference.indexer_topk``.  Shapes outside the documented limits (index head dim != 128, heads not in
     {16, 32, 64}, topk > 2048) use the Triton backend's kernel.
   * sparse_mla: forward by FlashMLA's ``flash_mla_sparse_fwd`` when flash_mla is installed and the shape fits it
-    (see flashmla_backend), else our Triton forward; backward by ``sparse_attention_backward_wrapper`` (lse -inf
+    (see flashmla_sparse_mla), else our Triton forward; backward by ``sparse_attention_backward_wrapper`` (lse -inf
     -> +inf, attn_sink = -inf, indices outside [0, Tk) -> -1 and top-k padded with -1 to a multiple of 128, the
     launch envelope the upstream training adapter uses).  When the lse output itself receives a gradient (the
     cuDNN kernel has no d_lse input) the backward uses our Triton kernel for that call.  Shapes outside the limits
@@ -52,8 +55,9 @@ from typing import Optional
 
 import torch
 
-from . import flashmla_backend, reference
-from .backends import TritonBackend
+from . import flashmla_sparse_mla, reference
+from .base import AttentionBackend, pad_topk, sparse_mla_autograd, triton_backward_reason, warn_once
+from .triton_backend import TritonBackend
 
 __all__ = ["CudnnBackend", "CUDNN_INSTALL"]
 
@@ -109,7 +113,7 @@ def cudnn_sparse_backward(q, kv, indices, out, lse, d_out, softmax_scale):
     note_new_shape("sparse backward", (*q.shape, kv.shape[0], indices.shape[1]))
     res = dsa.sparse_attention_backward_wrapper(
         q.contiguous(), kv.contiguous(), out.contiguous(), d_out.to(q.dtype).contiguous(), lse_c, sink,
-        flashmla_backend.pad_topk(indices), softmax_scale=float(softmax_scale))
+        pad_topk(indices), softmax_scale=float(softmax_scale))
     return res["dq"], res["dkv"]
 
 
@@ -118,21 +122,22 @@ def _cudnn_or_triton_backward(q, kv, idx, out, lse, d_out, d_lse, softmax_scale,
     from . import triton_sparse_mla
 
     if d_lse is not None:
-        flashmla_backend.warn_once("cudnn", "the cuDNN sparse backward has no lse-gradient input")
+        warn_once("cudnn", "the cuDNN sparse backward has no lse-gradient input")
         return triton_sparse_mla.sparse_mla_bwd(q, kv, idx, out, lse, d_out, d_lse, softmax_scale, d_v,
                                                 deterministic)
     return cudnn_sparse_backward(q, kv, idx, out, lse, d_out, softmax_scale)
 
 
-class CudnnBackend(TritonBackend):
-    """cuDNN DSA indexer top-k and sparse backward, FlashMLA / Triton forward, Triton KL loss (see module doc)."""
+class CudnnBackend(AttentionBackend):
+    """cuDNN DSA indexer top-k and sparse backward, FlashMLA / Triton forward; the KL loss and every shape the
+    cuDNN kernels do not take are ``self.fallback``'s, the Triton backend (see module doc)."""
 
     name = "cudnn"
     implemented = True
-    triton_role = "(forward without FlashMLA, KL loss)"
 
     def __init__(self, deterministic: Optional[bool] = None):
-        super().__init__(deterministic)
+        self.deterministic = deterministic
+        self.fallback = TritonBackend(deterministic)
         self._dsa_error: Optional[str] = None
         self._probed = False
         self._has_flash_mla: Optional[bool] = None
@@ -161,11 +166,11 @@ class CudnnBackend(TritonBackend):
 
     def has_flash_mla(self) -> bool:
         if self._has_flash_mla is None:
-            self._has_flash_mla = flashmla_backend.probe_flash_mla()
+            self._has_flash_mla = flashmla_sparse_mla.probe_flash_mla()
         return self._has_flash_mla
 
-    def library_missing(self) -> Optional[str]:
-        return self._probe()
+    def unavailable_reason(self) -> Optional[str]:
+        return self._probe() or self.fallback.triton_missing(self.name, "(forward without FlashMLA, KL loss)")
 
     # -- indexer ---------------------------------------------------------------------------------------------------
 
@@ -179,8 +184,9 @@ class CudnnBackend(TritonBackend):
         elif not float(softmax_scale) > 0:
             why = f"the cuDNN indexer folds softmax_scale out of the ReLU, which needs it > 0 (got {softmax_scale})"
         if why is not None:
-            flashmla_backend.warn_once(self.name, why)
-            return super().indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size)
+            warn_once(self.name, why)
+            return self.fallback.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale,
+                                              chunk_size)
         return self._cudnn_topk(q_idx, k_idx, weights, int(topk), key_start, query_end, float(softmax_scale),
                                 int(chunk_size or 1024))
 
@@ -241,14 +247,13 @@ class CudnnBackend(TritonBackend):
                 from . import triton_sparse_mla
 
                 use_flashmla = (self.has_flash_mla()
-                                and flashmla_backend.flashmla_unsupported_reason(q, kv, d_v) is None)
-                forward = (flashmla_backend.flash_mla_sparse_forward if use_flashmla
+                                and flashmla_sparse_mla.flashmla_unsupported_reason(q, kv, d_v) is None)
+                forward = (flashmla_sparse_mla.flash_mla_sparse_forward if use_flashmla
                            else triton_sparse_mla.sparse_mla_fwd)
-                return triton_sparse_mla.sparse_mla(q, kv, _normalize_indices(indices, kv.shape[0]), softmax_scale,
-                                                    d_v, self.deterministic, forward_fn=forward,
-                                                    backward_fn=_cudnn_or_triton_backward)
-            flashmla_backend.warn_once(self.name, why)
-        return super().sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
+                return sparse_mla_autograd(q, kv, _normalize_indices(indices, kv.shape[0]), softmax_scale, d_v,
+                                           self.deterministic, forward, _cudnn_or_triton_backward)
+            warn_once(self.name, why)
+        return self.fallback.sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
 
     @staticmethod
     def _sparse_unsupported_reason(q, kv, d_v) -> Optional[str]:
@@ -260,4 +265,16 @@ class CudnnBackend(TritonBackend):
         if d not in BWD_DQK or d_v != (512 if d == 576 else d) or h < 2:
             return f"the cuDNN sparse backward needs D in {BWD_DQK}, d_v 512 (D 576) and > 1 head, got {d} / {d_v} / {h}"
         # our Triton kernels (forward without FlashMLA, backward with an lse gradient) need power-of-two parts
-        return flashmla_backend._triton_backward_reason(q, d_v)
+        return triton_backward_reason(q, d_v)
+
+    # -- KL loss ---------------------------------------------------------------------------------------------------
+
+    def indexer_kl_loss(
+        self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
+    ):
+        return self.fallback.indexer_kl_loss(
+            q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+            indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
+            attn_lse=attn_lse,
+        )

@@ -1,6 +1,6 @@
 """Pure-torch reference implementation of the GLM-5 / DSA attention ops.
 
-No megatron import here: this module only needs torch.  It is the "torch" attention backend (see backends.py) and the
+No megatron import here: this module only needs torch.  It is the "torch" attention backend (torch_backend.py) and the
 oracle the GPU kernels are checked against.
 
 Layout: token-flattened ("varlen"), the layout sparse kernels (FlashMLA, cuDNN) use.  Batches and packed documents

@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from .flashmla_backend import pad_topk
+from .base import pad_topk
 from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, check_tiles, compiled_kernel, query_loader, selected_scores,
                                   tilelang_unsupported_reason)
 

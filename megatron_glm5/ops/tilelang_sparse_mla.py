@@ -1,4 +1,5 @@
-"""``--attn tilelang``: our TileLang sparse MLA forward (out, lse); the backward is ours too (tilelang_sparse_mla_bwd).
+"""The TileLang helper library of ``--attn tilelang`` (probe, compile cache, shared macros, lowering without a GPU)
+and our TileLang sparse MLA forward (out, lse); the backward is ours too (tilelang_sparse_mla_bwd).
 
 Semantics are those of ``triton_sparse_mla.sparse_mla_fwd``: q [T, h, D] with D = d_v + d_rope (GLM-5: 512 latent +
 64 rope; the latent part of kv is also V), kv [Tk, D] shared by all heads, indices [T, K] int (-1 or >= Tk: unused).
@@ -12,7 +13,7 @@ score is masked to -inf), scores = q_lat k_lat^T + q_rope k_rope^T in fp32, onli
 scale folded with log2 e), p rounded to bf16 for the P V product, fp32 accumulation.  The running max starts at a
 finite floor (-1e30) instead of -inf, so a block of masked slots gives p = 0 without an inf - inf; rows whose sum
 stays 0 are the "no keys" rows.  Head counts that are not a multiple of 64 are zero-padded to one (padded rows are
-dropped).  K is padded with -1 to a multiple of block_n (``flashmla_backend.pad_topk``).  The token count and Tk
+dropped).  K is padded with -1 to a multiple of block_n (``base.pad_topk``).  The token count and Tk
 are dynamic in the compiled kernel; one kernel is compiled lazily per (heads, d_v, d_rope, padded K, scale,
 config) and cached.
 Three configurations: FWD_CONFIG (the default; a plain loop, 64 rows per step), PIPELINED_CONFIG (T.Pipelined, two
@@ -22,13 +23,9 @@ spills (default); 255 registers, 4 bytes spilled (pipelined).  On the H200 the d
 TFLOP/s at S 4096; docs/performance.md).
 
 Backward: our TileLang kernel, ``tilelang_sparse_mla_bwd.tilelang_sparse_bwd`` (see that module), through
-``triton_sparse_mla.sparse_mla``'s autograd Function with both of ours plugged in; in deterministic mode the
-backward is ``triton_sparse_mla.sparse_mla_bwd`` (logged once).  indexer_topk: ``tilelang_indexer`` (our scoring
-kernel + the Triton backend's exact top-k).  indexer_kl_loss: the target's head sums are ours (``tilelang_kl``, one
-pass with the forward's lse), the fused indexer side of the loss is Triton's.  Every shape the kernels do not take
-(non-bf16, d_v or d_rope not a power of two; for the KL target also a missing lse) is the Triton backend's, with a
-warning logged once per reason.  ``lower_artifact`` / ``lower_to_cuda`` / ``dynamic_shared_bytes`` lower any of
-the kernels without a GPU.
+the backends' autograd Function (``base.SparseMLAFunction``) with both of ours plugged in; in deterministic mode the
+backward is ``triton_sparse_mla.sparse_mla_bwd`` (logged once).  The backend itself is ``tilelang_backend``.
+``lower_artifact`` / ``lower_to_cuda`` / ``dynamic_shared_bytes`` lower any of the kernels without a GPU.
 
 Verified: on a CPU-only machine with tilelang 0.1.15, both configurations lower to CUDA source for sm_90a and that
 source compiles with nvcc 13.0 to a cubin (``lower_to_cuda``; tests/test_ops_tilelang.py).  On the H200
@@ -37,18 +34,14 @@ source compiles with nvcc 13.0 to a cubin (``lower_to_cuda``; tests/test_ops_til
 
 # no ``from __future__ import annotations``: TileLang evaluates the kernel's annotations (closure sizes) eagerly
 import importlib
-import logging
 import math
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from .backends import TritonBackend
-from .flashmla_backend import _triton_backward_reason, pad_topk, warn_once
+from .base import pad_topk
 
-logger = logging.getLogger("megatron_glm5.ops")
-
-__all__ = ["TilelangBackend", "build_sparse_fwd", "dynamic_shared_bytes", "lower_artifact", "lower_to_cuda",
+__all__ = ["build_sparse_fwd", "dynamic_shared_bytes", "lower_artifact", "lower_to_cuda",
            "tilelang_sparse_fwd", "tilelang_unsupported_reason", "TILELANG_INSTALL", "FWD_CONFIG", "PIPELINED_CONFIG",
            "PIPELINED64_CONFIG"]
 
@@ -280,57 +273,3 @@ def tilelang_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> 
     if d_v < 16 or d_v & (d_v - 1) or d_rope < 16 or d_rope & (d_rope - 1):
         return f"the TileLang forward needs power-of-two d_v and d_rope >= 16, got {d_v} / {d_rope}"
     return None
-
-
-class TilelangBackend(TritonBackend):
-    """Our TileLang sparse forward and backward (``tilelang_sparse_mla_bwd``) and KL target (``tilelang_kl``); the
-    KL loss's indexer side, the deterministic backward and the shapes the kernels do not take are the Triton
-    backend's."""
-
-    name = "tilelang"
-    implemented = True
-    triton_role = "(KL loss's indexer side, deterministic backward, fallbacks)"
-
-    def __init__(self, deterministic: Optional[bool] = None):
-        super().__init__(deterministic)
-        self._has_tilelang: Optional[bool] = None
-
-    def has_tilelang(self) -> bool:
-        if self._has_tilelang is None:
-            self._has_tilelang = probe_tilelang()
-        return self._has_tilelang
-
-    def library_missing(self) -> Optional[str]:
-        return None if self.has_tilelang() else f"--attn tilelang needs the tilelang package: {TILELANG_INSTALL}"
-
-    def indexer_topk(self, q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=1024):
-        from . import tilelang_indexer  # our TileLang scores + the shared exact top-k (tilelang_indexer.py)
-
-        why = tilelang_indexer.indexer_unsupported_reason(q_idx, k_idx)
-        if why is None:
-            return tilelang_indexer.tilelang_indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end,
-                                                          softmax_scale)
-        warn_once(self.name, why)
-        return super().indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size)
-
-    def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
-        if indices is not None:
-            why = tilelang_unsupported_reason(q, kv, d_v) or _triton_backward_reason(q, d_v)
-            if why is None:
-                from . import triton_sparse_mla
-                from .tilelang_sparse_mla_bwd import tilelang_sparse_bwd
-
-                return triton_sparse_mla.sparse_mla(q, kv, indices, softmax_scale, d_v, self.deterministic,
-                                                    forward_fn=tilelang_sparse_fwd, backward_fn=tilelang_sparse_bwd)
-            warn_once(self.name, why)
-        return super().sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
-
-    def kl_head_probs(self, q, kv, indices, d_v, attn_lse):
-        """The KL target's head sums: our one-pass TileLang kernel (the indexer side of the loss stays Triton's)."""
-        from . import tilelang_kl
-
-        why = tilelang_kl.head_probs_unsupported_reason(q, kv, indices, d_v, attn_lse)
-        if why is not None:
-            warn_once(self.name, why)
-            return None
-        return tilelang_kl.tilelang_head_summed_probs

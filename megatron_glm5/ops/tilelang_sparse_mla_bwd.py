@@ -20,7 +20,7 @@ p and ds are rounded to bf16 for the products (accumulation fp32), as in the Tri
 computed dkv_cols columns at a time (a [block_n, dkv_cols] fp32 fragment instead of [block_n, d_v]) to keep the
 register file for dq.  Atomic adds make the summation order -- and so the last bits of dkv -- not reproducible.
 Host side (``tilelang_sparse_bwd``): heads zero-padded to a multiple of 64 (padded heads get lse -inf: no
-contribution), top-k padded with -1 to a multiple of block_n (``flashmla_backend.pad_topk``), dkv cast to kv's
+contribution), top-k padded with -1 to a multiple of block_n (``base.pad_topk``), dkv cast to kv's
 dtype at the end.  One kernel is compiled lazily per (heads, d_v, d_rope, padded K, scale, config) and cached; the
 token count and Tk are dynamic.
 
@@ -41,7 +41,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .flashmla_backend import pad_topk, warn_once
+from .base import pad_topk, warn_once
 from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, compiled_kernel, query_loader, selected_scores,
                                   tilelang_unsupported_reason)
 

@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import triton_interpret_compat
+from .base import sparse_mla_autograd
 
 triton_interpret_compat.apply()
 
@@ -347,34 +348,8 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
             dkv.zero_()
 
 
-class SparseMLAFunction(torch.autograd.Function):
-    """autograd of sparse MLA for every backend: ``forward_fn(q, kv, indices, scale, d_v) -> (out, lse)`` and
-    ``backward_fn(q, kv, indices, out, lse, d_out, d_lse, scale, d_v, deterministic) -> (dq, dkv)`` (the Triton
-    kernels by default; FlashMLA / TileLang forwards and the cuDNN backward plug in here).  Saves q, kv, indices,
-    out, lse.  Gradients are not materialised: a None d_lse (lse unused) reaches backward_fn as None."""
-
-    @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, forward_fn, backward_fn):
-        out, lse = forward_fn(q, kv, indices, softmax_scale, d_v)
-        ctx.save_for_backward(q, kv, indices, out, lse)
-        ctx.scale, ctx.d_v, ctx.det, ctx.backward_fn = softmax_scale, d_v, deterministic, backward_fn
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        if d_out is None and d_lse is None:
-            return (None,) * 8
-        q, kv, indices, out, lse = ctx.saved_tensors
-        if d_out is None:
-            d_out = torch.zeros_like(out)
-        dq, dkv = ctx.backward_fn(q, kv, indices, out, lse, d_out, d_lse, ctx.scale, ctx.d_v, ctx.det)
-        return dq, dkv, None, None, None, None, None, None
-
-
-def sparse_mla(q, kv, indices, softmax_scale: float, d_v: int, deterministic: Optional[bool] = None,
-               forward_fn=None, backward_fn=None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA with autograd (dq, dkv); the Triton forward / backward unless others are given (see
-    ``SparseMLAFunction``); see the module docstring."""
-    return SparseMLAFunction.apply(q, kv, indices, float(softmax_scale), int(d_v), deterministic,
-                                   forward_fn or sparse_mla_fwd, backward_fn or sparse_mla_bwd)
+def sparse_mla(q, kv, indices, softmax_scale: float, d_v: int,
+               deterministic: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA with autograd (dq, dkv): the Triton forward and backward through the backends' one autograd
+    Function (``base.SparseMLAFunction``); see the module docstring."""
+    return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic, sparse_mla_fwd, sparse_mla_bwd)

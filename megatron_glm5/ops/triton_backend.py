@@ -1,0 +1,117 @@
+"""``--attn triton``: our Triton kernels (``triton_indexer``, ``triton_sparse_mla``, ``triton_kl``).
+
+The FlashMLA, cuDNN and TileLang backends hold one of these as their ``fallback`` (the ops and shapes their
+libraries do not cover).  triton itself is imported only when a kernel runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable, Optional
+
+from . import reference
+from .base import AttentionBackend, no_cuda_reason, warn_once
+
+__all__ = ["TritonBackend", "TRITON_INSTALL"]
+
+TRITON_INSTALL = "pip install 'megatron-glm5[gpu]'"
+
+
+def _pow2_split(dim: int):
+    """(d_hi, d_lo) with d_hi the largest power of two below dim and d_lo = dim - d_hi also a power of two, or None."""
+    hi = 1 << (max(1, dim) - 1).bit_length() - 1
+    lo = dim - hi
+    return (hi, lo) if lo > 0 and lo & (lo - 1) == 0 else None
+
+
+class TritonBackend(AttentionBackend):
+    """Our Triton kernels (megatron_glm5/ops/triton_*.py).
+
+    indexer_topk: fused scores + exact chunked top-k (triton_indexer).  sparse_mla with indices: Triton forward
+    and backward (triton_sparse_mla; dkv summed with fp32 atomics, bitwise reproducible with
+    GLM5_TRITON_DETERMINISTIC=1 or ``deterministic=True`` at 1.7x the backward time).  sparse_mla without indices
+    (dense warm-up) and indexer_kl_loss without indices fall back to the torch reference; indexer_kl_loss with
+    indices runs two Triton kernels (triton_kl: head-summed attention probabilities -- one pass when the forward's
+    lse is passed as attn_lse -- and the fused indexer logits / KL / gradients).  Needs power-of-two d_v,
+    d_qk - d_v and index head dim.
+
+    kl_head_probs: for a backend holding this one as its fallback, ``(q, kv, indices, d_v, attn_lse) -> kernel or
+    None``: another kernel for the KL target's head sums (``triton_kl.head_summed_probs``'s signature) for these
+    inputs, or None for the Triton one.
+    """
+
+    name = "triton"
+    implemented = True
+
+    def __init__(self, deterministic: Optional[bool] = None, kl_head_probs: Optional[Callable] = None):
+        self.deterministic = deterministic
+        self.kl_head_probs = kl_head_probs
+        self._has_package: Optional[bool] = None
+
+    def has_package(self) -> bool:
+        if self._has_package is None:
+            try:
+                importlib.import_module("triton")
+                self._has_package = True
+            except Exception:
+                self._has_package = False
+        return self._has_package
+
+    def triton_missing(self, name: str, role: str = "") -> Optional[str]:
+        """Why ``--attn name``, which runs these kernels (``role``: for what), cannot run: no triton package or no
+        CUDA GPU (None when it can)."""
+        if not self.has_package():
+            role = f" {role}" if role else ""
+            return f"--attn {name} needs the triton package{role}: {TRITON_INSTALL}"
+        return no_cuda_reason(name)
+
+    def unavailable_reason(self) -> Optional[str]:
+        return self.triton_missing(self.name)
+
+    def _fallback(self, why: str) -> None:
+        warn_once(self.name, why, using="the torch reference")
+
+    def indexer_topk(self, q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=1024):
+        d_i = q_idx.shape[-1]
+        if d_i & (d_i - 1):
+            self._fallback(f"index head dim {d_i} is not a power of two")
+            return reference.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale,
+                                          chunk_size)
+        from . import triton_indexer
+
+        return triton_indexer.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale)
+
+    def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
+        d_rope = q.shape[-1] - d_v
+        if indices is not None and (d_v & (d_v - 1) or d_rope <= 0 or d_rope & (d_rope - 1)):
+            self._fallback(f"d_v={d_v} / d_rope={d_rope} are not both powers of two")
+            indices_for_ref = indices
+        elif indices is None:  # dense causal mode: no Triton kernel, the reference does it
+            indices_for_ref = None
+        else:
+            indices_for_ref = False
+        if indices_for_ref is not False:
+            return reference.sparse_mla(q, kv, indices_for_ref, softmax_scale, d_v, key_start, query_end, chunk_size)
+        from . import triton_sparse_mla
+
+        return triton_sparse_mla.sparse_mla(q, kv, indices, softmax_scale, d_v, self.deterministic)
+
+    def indexer_kl_loss(
+        self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
+    ):
+        split = _pow2_split(q.shape[-1])
+        d_i = q_idx.shape[-1]
+        if indices is None or split is None or d_i & (d_i - 1):
+            return reference.indexer_kl_loss(
+                q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+                indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
+            )
+        from . import triton_kl
+
+        head_probs = self.kl_head_probs(q, kv, indices, split[0], attn_lse) if self.kl_head_probs else None
+        return triton_kl.indexer_kl_loss_sparse(
+            q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, indices, split[0],
+            token_mask=token_mask, head_sum_reduce=head_sum_reduce, attn_lse=attn_lse,
+            deterministic=self.deterministic, head_probs=head_probs or triton_kl.head_summed_probs,
+        )
