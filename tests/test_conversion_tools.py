@@ -223,10 +223,10 @@ def test_round_trip_is_bitwise_at_every_layout(preset, hf_dirs, tmp_path):
         summary = to_megatron(hf_dir, mc, **layout)
         assert summary["mtp"] and os.path.isfile(mc / "metadata.json") and os.path.isfile(mc / "config.json")
         entry = glm5_entry(mc)
-        assert entry["layout"]["tensor_model_parallel_size"] == layout["tp"]
-        assert entry["layout"]["pipeline_model_parallel_size"] == layout["pp"]
-        assert entry["layout"]["expert_model_parallel_size"] == layout["ep"]
-        assert entry["model_config"] == source_config
+        assert entry.layout["tensor_model_parallel_size"] == layout["tp"]
+        assert entry.layout["pipeline_model_parallel_size"] == layout["pp"]
+        assert entry.layout["expert_model_parallel_size"] == layout["ep"]
+        assert entry.model_config == source_config
         to_hf(mc, back, max_shard_size="200KB")
         assert_bitwise_same(original, read_hf(back))
         assert json.loads(open(back / "config.json").read()) == source_config
@@ -493,8 +493,8 @@ def test_fp8_checkpoint_is_dequantised_on_import(hf_dirs, tmp_path):
     out = tmp_path / "mc"
     to_megatron(d, out)
     entry = glm5_entry(out)
-    assert "quantization_config" not in entry["model_config"] and entry["model_config"]["dtype"] == "bfloat16"
-    assert entry["source"]["fp8_dequantized"]
+    assert "quantization_config" not in entry.model_config and entry.model_config["dtype"] == "bfloat16"
+    assert entry.source["fp8_dequantized"]
     back = tmp_path / "hf"
     to_hf(out, back)
     exported = read_hf(back)

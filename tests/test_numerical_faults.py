@@ -1,7 +1,7 @@
 """Numerical faults (megatron_glm5/training/numerics.py): a step whose loss or gradient is NaN/Inf on any rank is
 skipped -- parameters and LR schedule untouched, its data consumed -- and logged with the iteration and the rank;
 --max-skipped-steps consecutive skips stop the run with one line naming the iteration; loss spikes are logged and
-written to TensorBoard. Faults come from the documented test hook $MEGATRON_GLM5_INJECT_FAULT.
+written to TensorBoard. Faults come from the documented test hook $MEGATRON_GLM5_INJECT_FAULT (training/fault_hooks.py).
 
 Training runs call finetune_glm5.py's main() in this process (tiny model, 24 conversations, seq 64); the
 distributed case runs torchrun with 2 data-parallel ranks.
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from megatron_glm5.data import TINY_CHAT_TRAIN
-from megatron_glm5.training.numerics import FaultInjection, LossSpikeDetector
+from megatron_glm5.training.fault_hooks import FaultInjection
+from megatron_glm5.training.numerics import LossSpikeDetector
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = "MEGATRON_GLM5_INJECT_FAULT"

@@ -12,12 +12,13 @@ HF -> torch_dist (:func:`convert_hf_to_megatron`):
   2. one stored DCP chunk per HF tensor (row-split when larger than ``max_chunk_bytes``), each produced lazily by
      reading its bytes from the shard (FP8 e4m3 weights are dequantised with their 128x128 ``weight_scale_inv``
      blocks) and written immediately (``torch_dist_stream.save_lazy``);
-  3. the common state (``"glm5"``: model config, layout, mode) and megatron's ``metadata.json``, ``config.json``;
+  3. the common state (the ``"glm5"`` record of checkpoint/format.py: model config, layout, mode "converted")
+     and megatron's ``metadata.json``, ``config.json``;
      written to ``<save>.partial`` and renamed to ``<save>`` at the end.
   torch_dist stores global tensors with offsets, so the one checkpoint loads into every parallel layout;
   ``--tp/--pp/--ep/--etp`` are validated against the model and recorded.
 
-torch_dist -> HF (:func:`convert_megatron_to_hf`): reads the ``"glm5"`` common entry for the config, then each
+torch_dist -> HF (:func:`convert_megatron_to_hf`): reads the ``"glm5"`` record for the config, then each
 HF tensor block straight from the stored chunks (``TorchDistReader.read_region``; only ``model`` tensors, never the
 optimizer state) into sharded safetensors whose headers are computed up front.
 """
@@ -37,6 +38,17 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_glm5.checkpoint.format import (
+    COMMON_KEY,
+    DCP_METADATA,
+    LATEST,
+    LEGACY_COMMON_FILE,
+    RECORD_KEY,
+    ModelRecord,
+    layout_record,
+    pointed_dir,
+    read_latest,
+)
 from megatron_glm5.config import ConfigError, GLM5Config
 from megatron_glm5.conversion.hf_mapping import (
     conversion_plan,
@@ -53,7 +65,6 @@ from megatron_glm5.conversion.safetensors_stream import (
     plan_shards,
 )
 from megatron_glm5.conversion.torch_dist_stream import (
-    COMMON_KEY,
     LazyChunk,
     TorchDistReader,
     save_lazy,
@@ -63,8 +74,6 @@ from megatron_glm5.errors import UserError
 
 log = logging.getLogger("megatron_glm5.conversion")
 
-FORMAT_VERSION = 1
-LATEST = "latest_checkpointed_iteration.txt"
 DTYPE_FLAGS = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
 _HF_DTYPE_STR = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -411,13 +420,10 @@ def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, ep:
                     "tensors are used", hf_dir, problem)
     # "iteration"/"data_state" as a training checkpoint has them: --finetune ignores them, and a run with
     # --no-load-optim --no-load-rng (no --finetune) starts at iteration 0 from the first sample
-    common = {"iteration": 0, "data_state": {}, "glm5": {
-        "format_version": FORMAT_VERSION, "model_config": plan.hf_config, "mode": "converted", "mtp": include_mtp,
-        "layout": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                   "expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp if etp is None else etp,
-                   "context_parallel_size": 1, "data_parallel_size": None},
-        "source": {"hf_dir": os.path.abspath(hf_dir), "dtype": dtype, "fp8_dequantized": plan.fp8},
-    }}
+    record = ModelRecord(model_config=plan.hf_config, mode="converted", mtp=include_mtp,
+                         layout=layout_record(tp, pp, ep, tp if etp is None else etp, cp=1, dp=None),
+                         source={"hf_dir": os.path.abspath(hf_dir), "dtype": dtype, "fp8_dequantized": plan.fp8})
+    common = {"iteration": 0, "data_state": {}, RECORD_KEY: record.to_common()}
     objects = {COMMON_KEY: serialize_object(common)}
     objects.update({k: serialize_object(v) for k, v in plan.objects.items()})
     partial_dir = final + ".partial"
@@ -452,34 +458,29 @@ def resolve_checkpoint_dir(load: str) -> str:
     """--load: a --save root (latest pointer), an iteration directory, or a converted checkpoint directory."""
     if not os.path.isdir(load):
         raise ConversionError(f"--load {load}: no such directory")
-    latest = os.path.join(load, LATEST)
-    if os.path.isfile(latest):
-        text = open(latest).read().strip()
-        if not text.isdigit():
-            raise ConversionError(f"{latest}: expected an iteration number, found {text!r}")
-        path = os.path.join(load, f"iter_{int(text):07d}")
-        if not os.path.isdir(path):
-            raise ConversionError(f"{latest} points to iteration {int(text)}, but {path} is missing")
-        return path
-    if os.path.isfile(os.path.join(load, ".metadata")):
+    pointer = read_latest(load)
+    if pointer is not None:
+        return pointed_dir(load, pointer)
+    if os.path.isfile(os.path.join(load, DCP_METADATA)):
         return load
-    raise ConversionError(f"--load {load}: neither a torch_dist checkpoint (no .metadata) nor a --save root "
+    raise ConversionError(f"--load {load}: neither a torch_dist checkpoint (no {DCP_METADATA}) nor a --save root "
                           f"(no {LATEST})")
 
 
-def read_glm5_entry(path: str, reader: TorchDistReader) -> dict:
-    legacy = os.path.join(path, "common.pt")
+def read_glm5_entry(path: str, reader: TorchDistReader) -> ModelRecord:
+    """The checkpoint's "glm5" record (checkpoint/format.py), from its common state."""
+    legacy = os.path.join(path, LEGACY_COMMON_FILE)
     if os.path.isfile(legacy):
         common = torch.load(legacy, map_location="cpu", weights_only=True)
     elif reader.has_object(COMMON_KEY):
         common = reader.read_object(COMMON_KEY)[0]
     else:
         raise ConversionError(f"{path}: no common state in the checkpoint (not written by megatron-core?)")
-    entry = common.get("glm5") if isinstance(common, dict) else None
-    if not entry or "model_config" not in entry:
+    record = ModelRecord.from_common(common)
+    if record is None:
         raise ConversionError(f"{path}: not a megatron-glm5 checkpoint (no 'glm5' model description in its "
                               "common state)")
-    return entry
+    return record
 
 
 @dataclass
@@ -544,7 +545,7 @@ def convert_megatron_to_hf(load: str, save: str, dtype: str = "auto", max_shard_
     reader = TorchDistReader(path)
     entry = read_glm5_entry(path, reader)
     try:
-        cfg = GLM5Config.from_hf(entry["model_config"])
+        cfg = GLM5Config.from_hf(entry.model_config)
     except ConfigError as e:
         raise ConversionError(f"{path}: recorded model config is invalid: {e}") from None
     include_mtp = bool(cfg.num_nextn_predict_layers) and mcore_checkpoint_key("mtp.layers.0.eh_proj.weight") in reader

@@ -52,11 +52,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from megatron_glm5.checkpoint.format import DCP_METADATA, MEGATRON_METADATA, MEGATRON_METADATA_FILE
 from megatron_glm5.conversion.safetensors_io import CheckpointError
 from megatron_glm5.conversion.safetensors_stream import read_exact
 
-COMMON_KEY = "common_state/shard_0_1"  # megatron-core: ShardedObject("common_state", ..., (1,), (0,)).unique_key
-MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 
 
 # ================================================================== writing
@@ -208,7 +207,7 @@ def save_lazy(path: str, chunks: Iterable[LazyChunk], objects: dict[str, io.Byte
             if len(failures) == 1:
                 raise failures[0] from None
             raise
-    with open(os.path.join(path, "metadata.json"), "w") as f:
+    with open(os.path.join(path, MEGATRON_METADATA_FILE), "w") as f:
         json.dump(MEGATRON_METADATA, f)
     return planner.metadata
 
@@ -312,10 +311,10 @@ class TorchDistReader:
 
     def __init__(self, path: str):
         self.path = os.fspath(path)
-        md_path = os.path.join(self.path, ".metadata")
+        md_path = os.path.join(self.path, DCP_METADATA)
         if not os.path.isfile(md_path):
-            raise CheckpointError(f"{self.path}: no .metadata (not a torch_dist checkpoint, or its save did not "
-                                  "finish)")
+            raise CheckpointError(f"{self.path}: no {DCP_METADATA} (not a torch_dist checkpoint, or its save did "
+                                  "not finish)")
         try:
             with open(md_path, "rb") as f:
                 self.metadata: Metadata = pickle.load(f)

@@ -37,7 +37,7 @@ def compare_tensors(hf_dir: str, ckpt: str, atol: float = 0.0, block_bytes: int 
     source = SafetensorsSource(hf_dir)
     path = resolve_checkpoint_dir(ckpt)
     reader = TorchDistReader(path)
-    cfg = GLM5Config.from_hf(read_glm5_entry(path, reader)["model_config"])
+    cfg = GLM5Config.from_hf(read_glm5_entry(path, reader).model_config)
     block = _fp8_block(GLM5Config.from_hf(os.path.join(hf_dir, "config.json")))
     n_mtp = cfg.num_nextn_predict_layers
     hf_mtp = bool(n_mtp) and f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in source
@@ -117,7 +117,7 @@ def load_megatron_model(ckpt: str, dtype=torch.float32, mtp=None):
     path = resolve_checkpoint_dir(ckpt)
     reader = TorchDistReader(path)
     entry = read_glm5_entry(path, reader)
-    cfg = GLM5Config.from_hf(entry["model_config"])
+    cfg = GLM5Config.from_hf(entry.model_config)
     has_mtp = bool(cfg.num_nextn_predict_layers) and mcore_checkpoint_key("mtp.layers.0.eh_proj.weight") in reader
     reader.close()
     platform.initialize_model_parallel()

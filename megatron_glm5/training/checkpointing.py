@@ -1,9 +1,9 @@
 """Checkpoints in megatron-core's dist_checkpointing format (torch_dist), written atomically and verified on load.
 
-Layout of ``--save DIR``::
+Layout of ``--save DIR`` (the format: megatron_glm5/checkpoint/format.py)::
 
     DIR/iter_0000100/              a complete checkpoint (model, optimizer, scheduler, RNG, data position, args)
-    DIR/iter_0000100/manifest.json every file's size and checksum (checkpoint_manifest.py), written last
+    DIR/iter_0000100/manifest.json every file's size and checksum (checkpoint/manifest.py), written last
     DIR/latest_checkpointed_iteration.txt
 
 A save writes into ``iter_XXXXXXX.partial``; when every rank has written its files the manifest is written,
@@ -23,7 +23,6 @@ import logging
 import os
 import queue
 import random
-import re
 import resource
 import shutil
 import threading
@@ -34,16 +33,29 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_glm5.checkpoint import manifest as checkpoint_manifest
+from megatron_glm5.checkpoint.format import (
+    LATEST,
+    MEGATRON_METADATA_FILE,
+    RECORD_KEY,
+    CheckpointFormatError,
+    ModelRecord,
+    complete_dirs,
+    iteration_dir,
+    iteration_of,
+    layout_record,
+    partial_dir,
+    partial_dirs,
+    pointed_dir,
+    read_latest,
+    write_latest,
+)
 from megatron_glm5.errors import UserError
-from megatron_glm5.training import checkpoint_manifest
-from megatron_glm5.training.checkpoint_manifest import fault_point
+from megatron_glm5.training import fault_hooks
+from megatron_glm5.training.device import current_device
 from megatron_glm5.training.optim import ensure_optimizer_state
 
 log = logging.getLogger("megatron_glm5.checkpoint")
-LATEST = "latest_checkpointed_iteration.txt"
-_ITER_DIR = re.compile(r"iter_(\d{7,})")
-_PARTIAL_DIR = re.compile(r"iter_\d{7,}\.partial")
-FORMAT_VERSION = 1
 # model fields that must match between a checkpoint and the model it is loaded into
 ARCH_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
@@ -51,22 +63,8 @@ ARCH_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_
                "mlp_layer_types", "indexer_types")
 
 
-class CheckpointMismatch(UserError, ValueError):
+class CheckpointMismatch(CheckpointFormatError):
     """The checkpoint does not belong to this model (or is not a megatron-glm5 checkpoint)."""
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_latest(root: str):
-    path = os.path.join(root, LATEST)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise CheckpointMismatch(f"{path}: expected an iteration number, found {text!r}")
-    return int(text)
 
 
 def _rank0() -> bool:
@@ -113,9 +111,9 @@ def trainable_of(args) -> str:
 
 
 def layout_of(args) -> dict:
-    return {k: getattr(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                           "expert_model_parallel_size", "expert_tensor_parallel_size",
-                                           "context_parallel_size", "data_parallel_size")}
+    return layout_record(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                         args.expert_model_parallel_size, args.expert_tensor_parallel_size,
+                         args.context_parallel_size, args.data_parallel_size)
 
 
 def _in_process_results_queue():
@@ -191,29 +189,12 @@ def _write_error(exc: BaseException, partial: str, root: str, written: int | Non
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY:
         disk.append(f"this process's file-size limit (ulimit -f): {limit} bytes")
-    good = [it for it, _ in _complete_dirs(root)]
+    good = [it for it, _ in complete_dirs(root)]
     kept = (f"the previous checkpoint {iteration_dir(root, good[0])} is untouched" if good
             else "no earlier checkpoint exists")
     diagnosis = "the disk is full" if full else "disk full or a file-size/quota limit?"
     return CheckpointWriteError(f"--save {root}: writing checkpoint {partial} failed ({what}); {diagnosis} "
                                 f"({', '.join(disk)}); nothing was promoted, {kept}")
-
-
-def _complete_dirs(root: str) -> list[tuple[int, str]]:
-    """(iteration, path) of every ``iter_XXXXXXX`` directory under root (not ``.partial``), newest first."""
-    found = []
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            m = _ITER_DIR.fullmatch(name)
-            if m and os.path.isdir(os.path.join(root, name)):
-                found.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(found, reverse=True)
-
-
-def _partial_dirs(root: str) -> list[str]:
-    if not os.path.isdir(root):
-        return []
-    return sorted(os.path.join(root, n) for n in os.listdir(root) if _PARTIAL_DIR.fullmatch(n))
 
 
 def _sharded_state(iteration, model_chunks, optimizer, scheduler, args, data_state) -> dict:
@@ -225,13 +206,13 @@ def _sharded_state(iteration, model_chunks, optimizer, scheduler, args, data_sta
     state["iteration"] = iteration
     state["data_state"] = data_state
     state["rng_state"] = _rng_sharded_object()
-    state["glm5"] = {"format_version": FORMAT_VERSION, "model_config": args.model_config.to_hf(),
-                     "layout": layout_of(args), "mode": args.mode, "trainable": trainable_of(args)}
+    state[RECORD_KEY] = ModelRecord(model_config=args.model_config.to_hf(), layout=layout_of(args), mode=args.mode,
+                                    trainable=trainable_of(args)).to_common()
     return state
 
 
 def _start_partial(root: str, iteration: int) -> str:
-    partial = iteration_dir(root, iteration) + ".partial"
+    partial = partial_dir(root, iteration)
     if _rank0():
         os.makedirs(root, exist_ok=True)
         if os.path.exists(partial):
@@ -250,33 +231,25 @@ def _manifest_args(args) -> dict:
 
 def _promote(root: str, iteration: int, args) -> str:
     """Every rank has written its files into the .partial directory: manifest, rename, latest pointer."""
-    partial = iteration_dir(root, iteration) + ".partial"
+    partial = partial_dir(root, iteration)
     final = iteration_dir(root, iteration)
-    fault_point("files-written", iteration)
+    faults = fault_hooks.current()
+    faults.save_point("files-written", iteration)
     checkpoint_manifest.write_manifest(partial, iteration, getattr(args, "ckpt_checksum", "sha256"),
                                        layout_of(args), _manifest_args(args))
-    fault_point("manifest-written", iteration)
+    faults.save_point("manifest-written", iteration)
     if _rank0():
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(partial, final)
-        checkpoint_manifest._fsync_dir(root)
+        checkpoint_manifest.fsync_dir(root)
     _barrier()
-    fault_point("renamed", iteration)
+    faults.save_point("renamed", iteration)
     if _rank0():
-        _write_pointer(root, iteration)
+        write_latest(root, iteration)
     _barrier()
-    fault_point("pointer-updated", iteration)
+    faults.save_point("pointer-updated", iteration)
     return final
-
-
-def _write_pointer(root: str, iteration: int):
-    tmp = os.path.join(root, LATEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, LATEST))
 
 
 def _discard_partial(partial: str):
@@ -297,8 +270,8 @@ def apply_retention(root: str, keep_last: int | None):
     """Collective. Remove stale ``.partial`` directories (interrupted saves; the save in progress is complete by
     now) and, with --keep-last N, all but the newest N checkpoints, never one at or newer than the newest
     checkpoint that verifies (so the only good checkpoint is never deleted, even when a newer one is damaged)."""
-    doomed = _partial_dirs(root)
-    dirs = _from_rank0(_complete_dirs(root))
+    doomed = partial_dirs(root)
+    dirs = _from_rank0(complete_dirs(root))
     if keep_last and len(dirs) > keep_last:
         newest_good = None
         for it, path in dirs:
@@ -331,7 +304,7 @@ class _PendingSave:
 
     def __init__(self, root, iteration, model_chunks, optimizer, scheduler, args, data_state, snapshot: bool):
         self.root, self.iteration, self.args = root, iteration, args
-        self.partial = iteration_dir(root, iteration) + ".partial"
+        self.partial = partial_dir(root, iteration)
         self.errors: list[BaseException] = []
         self.thread = None
         with self.failures_as_user_errors():
@@ -359,7 +332,7 @@ class _PendingSave:
     def write(self):
         """Write this rank's files (no collectives: safe in a background thread)."""
         try:
-            fault_point("writing", self.iteration)
+            fault_hooks.current().save_point("writing", self.iteration)
             if self.request.async_fn is not None:
                 self.request.async_fn(*self.fn_args, **self.request.async_fn_kwargs)
         except BaseException as e:
@@ -427,7 +400,7 @@ class CheckpointSaver:
             thread.join()
         busy = torch.tensor([1.0 if thread.is_alive() else 0.0])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            busy = busy.to(_comm_device())
+            busy = busy.to(current_device())
             dist.all_reduce(busy, op=dist.ReduceOp.MAX)
         return busy.item() == 0
 
@@ -449,14 +422,10 @@ def _failed_ranks(failed: bool) -> list[int]:
     """The ranks for which ``failed`` is true (collective: every rank gets the same list)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [0] if failed else []
-    flags = torch.zeros(dist.get_world_size(), device=_comm_device())
+    flags = torch.zeros(dist.get_world_size(), device=current_device())
     flags[dist.get_rank()] = 1.0 if failed else 0.0
     dist.all_reduce(flags)
     return [r for r, f in enumerate(flags.tolist()) if f]
-
-
-def _comm_device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _host_copy(write_buckets, copy: bool):
@@ -471,11 +440,11 @@ def _host_copy(write_buckets, copy: bool):
     return staged
 
 
-def _check_same_model(meta: dict, args, path: str):
-    if not meta or "model_config" not in meta:
+def _check_same_model(record: ModelRecord | None, args, path: str):
+    if record is None:
         raise CheckpointMismatch(f"{path}: not a megatron-glm5 checkpoint (no model description); "
                                  "convert HF weights with tools/convert_hf_to_megatron.py")
-    saved = meta["model_config"]
+    saved = record.model_config
     current = args.model_config.to_hf()
     for field in ARCH_FIELDS:
         if field in saved and saved[field] != current.get(field):
@@ -510,18 +479,17 @@ def resolve_load_dir(load: str) -> tuple[str, int | None]:
     directory is verified when it has a manifest (converted checkpoints have none) and refused when damaged."""
     if not os.path.isdir(load):
         raise CheckpointMismatch(f"--load {load}: no such directory")
-    if os.path.isfile(os.path.join(load, "metadata.json")) or os.path.isfile(
+    if os.path.isfile(os.path.join(load, MEGATRON_METADATA_FILE)) or os.path.isfile(
             os.path.join(load, checkpoint_manifest.MANIFEST)):
         if os.path.isfile(os.path.join(load, checkpoint_manifest.MANIFEST)):
             problems = checkpoint_manifest.verify(load)
             if problems:
                 raise CheckpointMismatch(f"--load {load}: damaged checkpoint: {'; '.join(problems)}")
-        m = _ITER_DIR.fullmatch(os.path.basename(os.path.normpath(load)))
-        return load, int(m.group(1)) if m else None
-    dirs = _from_rank0(_complete_dirs(load))
+        return load, iteration_of(load)
+    dirs = _from_rank0(complete_dirs(load))
     try:
         pointer = read_latest(load)
-    except CheckpointMismatch as e:
+    except CheckpointFormatError as e:
         if not dirs:
             raise
         log.warning("%s; choosing among the checkpoints by their manifests", e)
@@ -529,9 +497,7 @@ def resolve_load_dir(load: str) -> tuple[str, int | None]:
     if dirs and not any(os.path.isfile(os.path.join(p, checkpoint_manifest.MANIFEST)) for _, p in dirs):
         if pointer is None:
             raise CheckpointMismatch(f"--load {load}: no {LATEST} and no checkpoint manifest")
-        path = iteration_dir(load, pointer)
-        if not os.path.isdir(path):
-            raise CheckpointMismatch(f"{os.path.join(load, LATEST)} points to iteration {pointer}, but {path} is missing")
+        path = pointed_dir(load, pointer)
         log.warning("--load %s: checkpoints without %s (written by an older version): loading %s unverified",
                     load, checkpoint_manifest.MANIFEST, path)
         return path, pointer
@@ -539,7 +505,7 @@ def resolve_load_dir(load: str) -> tuple[str, int | None]:
     for it, path in dirs:
         problems = checkpoint_manifest.verify(path)
         if not problems:
-            for partial in _partial_dirs(load):
+            for partial in partial_dirs(load):
                 if partial > path:
                     log.warning("ignoring %s: an incomplete save (interrupted before its manifest)", partial)
             if skipped:
@@ -552,7 +518,7 @@ def resolve_load_dir(load: str) -> tuple[str, int | None]:
         log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
     if skipped:
         raise CheckpointMismatch(f"--load {load}: no usable checkpoint: {' | '.join(skipped)}")
-    partials = _partial_dirs(load)
+    partials = partial_dirs(load)
     if partials:
         raise CheckpointMismatch(f"--load {load}: no complete checkpoint, only interrupted saves "
                                  f"({', '.join(os.path.basename(p) for p in partials)})")
@@ -590,27 +556,28 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
             and os.path.realpath(args.save) == os.path.realpath(load) and read_latest(load) != chosen):
         # e.g. a crash between a save's rename and its pointer update: the pointer names the checkpoint in use
         if _rank0():
-            _write_pointer(load, chosen)
+            write_latest(load, chosen)
         _barrier()
         log.warning("%s now points to iteration %d", os.path.join(load, LATEST), chosen)
     common = dist_checkpointing.load_common_state_dict(path)
-    _check_same_model(common.get("glm5"), args, path)
+    record = ModelRecord.from_common(common)
+    _check_same_model(record, args, path)
     finetune = args.finetune
-    if not finetune and common.get("glm5", {}).get("mode") == "converted":
+    if not finetune and record.mode == "converted":
         log.info("--load %s is a converted HF checkpoint (weights only): loading it as with --finetune", path)
         finetune = True
     state = _model_sharded_state(model_chunks)
     model_sd = state["model"] if "model" in state else dict(state)
     _check_model_tensors(model_sd, path)
     load_optim = load_sched = not finetune and not args.no_load_optim
-    saved_trainable = common.get("glm5", {}).get("trainable", trainable_of(args))
+    saved_trainable = record.trainable if record.trainable is not None else trainable_of(args)
     if load_optim and saved_trainable != trainable_of(args):
         # e.g. --dsa-stage dense-warmup -> sparse: the checkpoint's optimizer state covers other parameters
         log.warning("the checkpoint's optimizer state is for %s parameters, this run trains %s (--dsa-stage / "
                     "--freeze-indexer changed): the optimizer state starts fresh; weights, iteration, LR schedule, "
                     "RNG and data position are restored", saved_trainable, trainable_of(args))
         load_optim = False
-    same_layout = common.get("glm5", {}).get("layout") == layout_of(args)
+    same_layout = record.layout == layout_of(args)
     load_rng = not finetune and not args.no_load_rng and same_layout
     if load_optim:
         ensure_optimizer_state(optimizer)
@@ -646,6 +613,6 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
         _restore_rng(loaded["rng_state"])
     elif not same_layout:
         log.warning("checkpoint layout %s differs from this run's %s: RNG states not restored",
-                    common.get("glm5", {}).get("layout"), layout_of(args))
+                    record.layout, layout_of(args))
     log.info("resumed from %s at iteration %d", path, loaded["iteration"])
     return {"iteration": loaded["iteration"], "data_state": loaded.get("data_state", {})}

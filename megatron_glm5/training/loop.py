@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_glm5 import platform
-from megatron_glm5.training import numerics
+from megatron_glm5.training import fault_hooks, numerics
+from megatron_glm5.training.device import current_device
 from megatron_glm5.training.metrics import StepLogger, TrainingMetrics
 
 log = logging.getLogger("megatron_glm5.train")
@@ -38,14 +39,10 @@ class _ExitSignal:
         log.warning("received %s: finishing this step, saving, exiting", signal.Signals(signum).name)
 
     def any_rank(self) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0], device=_device())
+        flag = torch.tensor([1.0 if self.received else 0.0], device=current_device())
         if dist.is_initialized():
             dist.all_reduce(flag)
         return bool(flag.item() > 0)
-
-
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def build_model_chunks(args):
@@ -97,7 +94,7 @@ def wrap_ddp(args, chunks):
 def _loss_func(loss_mask, output_tensor):
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss = numerics.inject_loss_fault(torch.sum(losses * mask))  # a no-op unless the test hook is set
+    loss = torch.sum(losses * mask)
     n = mask.sum()
     return loss, n.to(torch.int), {"lm loss": torch.stack([loss.detach(), n.detach()])}
 
@@ -107,7 +104,7 @@ def _forward_step(data_iterator, model):
     from megatron_glm5.training.data import batch_for_this_cp_rank
 
     batch = next(data_iterator)
-    device = _device()
+    device = current_device()
     packed = None
     if "cu_seqlens" in batch:
         packed = make_packed_seq_params(batch["cu_seqlens"].to(device), batch["tokens"].shape[1])
@@ -134,7 +131,8 @@ def _run_microbatches(args, model, data_iter, forward_only: bool, num_microbatch
     fwd_bwd = get_forward_backward_func()
     # with virtual pipeline stages every model chunk walks the same micro-batches through its own iterator
     iterators = data_iter if len(model) == 1 else list(itertools.tee(data_iter, len(model)))
-    out = fwd_bwd(forward_step_func=_forward_step, data_iterator=iterators,
+    forward_step = fault_hooks.current().wrap_forward_step(_forward_step)  # itself unless a test injects faults
+    out = fwd_bwd(forward_step_func=forward_step, data_iterator=iterators,
                   model=model, num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=mbs,
                   forward_only=forward_only)
     pipeline_topk.wait_pending_sends()  # IndexShare top-k sent to the next pipeline stage (model/pipeline_topk.py)
@@ -176,6 +174,7 @@ def train(args) -> int:
     try:
         return _train(args)
     finally:
+        fault_hooks.end_run()
         _reset_process_globals()
 
 
@@ -237,7 +236,7 @@ def _train(args) -> int:
     # a non-finite loss or gradient on any rank skips the update (numerics.py says what a skipped step does)
     guard = numerics.NonFiniteGuard(args.max_skipped_steps).install(optimizer)
     spikes = numerics.LossSpikeDetector(args.loss_spike_threshold, args.loss_spike_window)
-    numerics.start_injection()
+    faults = fault_hooks.start_run()  # no-op hooks unless a test injects faults (fault_hooks.py)
     logger.summary(model)
 
     saver = checkpointing.CheckpointSaver(args)  # logs "saved checkpoint ..." once a checkpoint is complete
@@ -256,10 +255,10 @@ def _train(args) -> int:
             m.zero_grad_buffer()
         optimizer.zero_grad()
         metrics.before_step()
-        numerics.set_iteration(iteration + 1)
+        faults.start_step(iteration + 1)
         outputs = _run_microbatches(args, model, train_stream, forward_only=False,
                                     num_microbatches=args.num_microbatches)
-        numerics.inject_grad_fault(model)  # a no-op unless the test hook is set
+        faults.after_backward(model)
         guard.note_loss(iteration + 1, outputs)
         step_lr = optimizer.param_groups[0]["lr"]  # what this update uses (logged: the scheduler moves it on below)
         ok, grad_norm, _ = optimizer.step()
@@ -278,7 +277,7 @@ def _train(args) -> int:
         if args.exit_interval and iteration % args.exit_interval == 0:
             stop = True
         if args.exit_duration_in_mins:
-            elapsed = torch.tensor([(time.time() - start_time) / 60], device=_device())
+            elapsed = torch.tensor([(time.time() - start_time) / 60], device=current_device())
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             stop = stop or elapsed.item() > args.exit_duration_in_mins
         if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)

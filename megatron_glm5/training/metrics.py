@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_glm5.training.device import current_device
 from megatron_glm5.training.flops import training_flops_per_token
 
 log = logging.getLogger("megatron_glm5.train")
@@ -75,7 +76,7 @@ class TrainingMetrics:
         self._load.append((c.max(dim=1).values / c.mean(dim=1).clamp(min=1e-9)).mean())
 
     def indexer_kl(self):
-        dev = _device()
+        dev = current_device()
         t = torch.zeros(2, device=dev)
         for m in self.attn:
             if m.kl_log[1]:
@@ -87,7 +88,7 @@ class TrainingMetrics:
 
     def expert_load_imbalance(self):
         from megatron.core import parallel_state as ps
-        t = torch.zeros(2, device=_device())
+        t = torch.zeros(2, device=current_device())
         if self._load:
             t[0], t[1] = torch.stack(self._load).mean(), 1
         self._load = []
@@ -119,7 +120,7 @@ class TrainingMetrics:
 
     def params_norm(self):
         from megatron.core import parallel_state as ps
-        sq = torch.zeros(1, device=_device())
+        sq = torch.zeros(1, device=current_device())
         for c in self.chunks:
             for p in c.module.parameters():
                 replicated_tp = not getattr(p, "tensor_model_parallel", False) and ps.get_tensor_model_parallel_rank() > 0
@@ -128,10 +129,6 @@ class TrainingMetrics:
                 sq += p.detach().float().pow(2).sum()
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
         return math.sqrt(sq.item())
-
-
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _memory_gib() -> float:

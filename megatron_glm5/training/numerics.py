@@ -1,4 +1,4 @@
-"""Numerical faults during training: skipped non-finite steps, loss spikes, and a fault-injection test hook.
+"""Numerical faults during training: skipped non-finite steps and loss spikes.
 
 Non-finite steps (:class:`NonFiniteGuard`).  megatron-core's optimizers report an overflow (``found_inf``) only
 with fp16 loss scaling; in bf16 and fp32 a NaN/Inf gradient would reach Adam and poison the weights and the
@@ -22,15 +22,12 @@ Loss spikes (:class:`LossSpikeDetector`): an LM loss above ``mean + K * std`` of
 finite losses (``K = --loss-spike-threshold``; the std is at least 1% of the mean) is logged as a warning and
 written to TensorBoard (``loss-spike`` at that iteration, ``loss-spikes`` counted in the regular scalars).
 
-Test hook: ``MEGATRON_GLM5_INJECT_FAULT=KIND:ITERATIONS[:RANK]`` (see :class:`FaultInjection`), e.g.
-``nan-grad:3`` (every gradient of iteration 3 is NaN), ``nan-loss:2-4:1`` (rank 1's loss is NaN on iterations 2
-to 4), ``spike-loss:30`` (the loss of iteration 30 is multiplied by 1000).
+Tests inject such faults with ``$MEGATRON_GLM5_INJECT_FAULT`` (training/fault_hooks.py).
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -40,14 +37,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_glm5.errors import UserError
+from megatron_glm5.training.device import current_device
 
-__all__ = ["INJECT_ENV", "FaultInjection", "NonFiniteGuard", "NonFiniteTrainingError", "LossSpikeDetector"]
+__all__ = ["NonFiniteGuard", "NonFiniteTrainingError", "LossSpikeDetector"]
 
 log = logging.getLogger("megatron_glm5.train")
-
-INJECT_ENV = "MEGATRON_GLM5_INJECT_FAULT"
-FAULT_KINDS = ("nan-loss", "nan-grad", "inf-grad", "spike-loss")
-SPIKE_FACTOR = 1000.0
 
 
 class NonFiniteTrainingError(UserError):
@@ -56,95 +50,6 @@ class NonFiniteTrainingError(UserError):
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-# ------------------------------------------------------------------------------------------------ fault injection
-
-
-@dataclass(frozen=True)
-class FaultInjection:
-    """A fault to inject, parsed from ``$MEGATRON_GLM5_INJECT_FAULT`` = ``KIND:ITERATIONS[:RANK]``.
-
-    KIND: ``nan-loss`` / ``spike-loss`` (the loss of each micro-batch times NaN / 1000, before backward) or
-    ``nan-grad`` / ``inf-grad`` (every main gradient of the rank set to NaN / Inf after backward and the
-    data-parallel reduction, before the optimizer step).  ITERATIONS: ``3``, ``2-4`` or ``3,7,9`` (1-based, the
-    iteration being computed).  RANK: the global rank (default: every rank).
-    """
-
-    kind: str
-    iterations: frozenset
-    rank: Optional[int] = None
-
-    @classmethod
-    def parse(cls, text: str) -> "FaultInjection":
-        def bad(why: str):
-            raise UserError(f"${INJECT_ENV}={text!r}: {why}; expected KIND:ITERATIONS[:RANK] with KIND one of "
-                            f"{', '.join(FAULT_KINDS)}, e.g. nan-grad:3 or nan-loss:2-4:1")
-
-        parts = text.strip().split(":")
-        if len(parts) not in (2, 3) or parts[0] not in FAULT_KINDS:
-            bad("not understood")
-        iterations = set()
-        try:
-            for item in parts[1].split(","):
-                lo, _, hi = item.partition("-")
-                iterations.update(range(int(lo), int(hi or lo) + 1))
-            rank = int(parts[2]) if len(parts) == 3 else None
-        except ValueError:
-            bad("iterations and rank must be integers")
-        if not iterations:
-            bad("no iteration")
-        return cls(parts[0], frozenset(iterations), rank)
-
-    @classmethod
-    def from_env(cls) -> Optional["FaultInjection"]:
-        text = os.environ.get(INJECT_ENV, "").strip()
-        return cls.parse(text) if text else None
-
-    def hits(self, iteration: int) -> bool:
-        return iteration in self.iterations and (self.rank is None or self.rank == _rank())
-
-
-_active: Optional[FaultInjection] = None
-_iteration = 0
-
-
-def start_injection() -> Optional[FaultInjection]:
-    """Read the test hook from the environment (once per run) and make it active."""
-    global _active
-    _active = FaultInjection.from_env()
-    if _active is not None:
-        log.warning("fault injection (%s): %s on iterations %s%s", INJECT_ENV, _active.kind,
-                    ",".join(map(str, sorted(_active.iterations))),
-                    "" if _active.rank is None else f" of rank {_active.rank}")
-    return _active
-
-
-def set_iteration(iteration: int) -> None:
-    """The iteration now being computed (1-based), for the test hook."""
-    global _iteration
-    _iteration = iteration
-
-
-def inject_loss_fault(loss: torch.Tensor) -> torch.Tensor:
-    """The micro-batch loss, poisoned when the test hook asks for it on this iteration and rank."""
-    if _active is None or _active.kind not in ("nan-loss", "spike-loss") or not _active.hits(_iteration):
-        return loss
-    return loss * (float("nan") if _active.kind == "nan-loss" else SPIKE_FACTOR)
-
-
-def inject_grad_fault(model_chunks) -> None:
-    """Poison every main gradient of this rank when the test hook asks for it on this iteration."""
-    if _active is None or _active.kind not in ("nan-grad", "inf-grad") or not _active.hits(_iteration):
-        return
-    value = float("nan") if _active.kind == "nan-grad" else float("inf")
-    with torch.no_grad():
-        for chunk in model_chunks:
-            for p in chunk.parameters():
-                grad = getattr(p, "main_grad", None)
-                grad = grad if grad is not None else p.grad
-                if grad is not None:
-                    grad.fill_(value)
 
 
 # ------------------------------------------------------------------------------------------------ non-finite steps
@@ -221,8 +126,7 @@ class NonFiniteGuard:
 
     def _check(self, optimizer) -> bool:
         grad_bad = not _all_finite(_local_grads(optimizer))
-        flags = torch.tensor([float(self._loss_bad), float(grad_bad)],
-                             device="cuda" if torch.cuda.is_available() else "cpu")
+        flags = torch.tensor([float(self._loss_bad), float(grad_bad)], device=current_device())
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, flags)

@@ -6,7 +6,7 @@
 One parent process imports the training code once (~5 s) and ``os.fork()``s every training run; a child calls
 the entry point's ``main("finetune", argv)`` in-process with its output in a log file, so a run costs its
 training only. A trial: the parent runs training, SIGKILLs it (after a random iteration plus a random delay,
-or at a named point of a checkpoint save through ``checkpoint_manifest.FAULT_HOOK``, including a kill timed
+or at a named point of a checkpoint save through ``training/fault_hooks.py``'s save points, including a kill timed
 into the middle of writing the checkpoint's data file), resumes it with ``--load``, maybe kills it again, and
 finally lets it finish. Checks per trial (against one uninterrupted reference run):
 
@@ -50,7 +50,7 @@ RESUMED = re.compile(r"resumed from \S+ at iteration (\d+)")
 def _import_training():
     """Import the training code once; every forked run inherits it. (Running a warm-up step here to share
     torch.compile's kernels would need this process's gloo group in the children: they hang or crash.)"""
-    from megatron_glm5.training import checkpoint_manifest, checkpointing, loop  # noqa: F401
+    from megatron_glm5.training import checkpointing, fault_hooks, loop  # noqa: F401
     from megatron_glm5.training.entry import main
 
     return main
@@ -66,6 +66,17 @@ def small_data(workdir: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------------------ one run
+
+
+def install_save_hook(hook) -> None:
+    """Have ``hook(point, iteration)`` called at each point of this process's checkpoint saves (None: no hook)."""
+    from megatron_glm5.training import fault_hooks
+
+    class SaveHook(fault_hooks.FaultHooks):
+        def save_point(self, point, iteration):
+            hook(point, iteration)
+
+    fault_hooks.install(SaveHook() if hook is not None else None)
 
 
 class Run:
@@ -85,8 +96,7 @@ class Run:
                 for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit (scenarios) fails writes instead
-                from megatron_glm5.training import checkpoint_manifest
-                checkpoint_manifest.FAULT_HOOK = hook
+                install_save_hook(hook)
                 code = main("finetune", list(map(str, argv)))
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else 1
@@ -155,7 +165,7 @@ def kill_self(*_):
 
 
 def make_hook(point: str, iteration: int, delay_s: float = 0.0, action=kill_self):
-    """A FAULT_HOOK that runs ``action(point)`` at ``point`` of the first save at or after ``iteration``. "mid-write"
+    """A save hook that runs ``action(point)`` at ``point`` of the first save at or after ``iteration``. "mid-write"
     fires at the "writing" point, and a timer thread kills the process ``delay_s`` later, while the data file is
     being written."""
     def hook(name, it):

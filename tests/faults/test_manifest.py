@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from megatron_glm5.training import checkpoint_manifest as cm
+from megatron_glm5.checkpoint import manifest as cm
 from megatron_glm5.training import checkpointing as ck
 
 

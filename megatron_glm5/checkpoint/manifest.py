@@ -1,4 +1,5 @@
-"""The manifest of a checkpoint directory: every file with its size and checksum, written last.
+"""The manifest of a checkpoint directory (part of the format, checkpoint/format.py): every file with its size and
+checksum, written last.
 
 A save writes its files into ``iter_XXXXXXX.partial``, then this manifest (``manifest.json``), then renames the
 directory; so a checkpoint directory with a manifest whose files all match it is complete, and anything else is
@@ -19,7 +20,7 @@ import json
 import os
 import re
 import zlib
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -29,16 +30,6 @@ VERSION = 1
 CHECKSUMS = ("sha256", "crc32", "none")
 _CHUNK = 8 << 20
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp$")
-
-# Fault injection for tests (tests/faults): called as FAULT_HOOK(point, iteration) at each step of a save
-# ("files-written", "manifest-written", "renamed", "pointer-updated"). None in normal runs.
-FAULT_HOOK: Optional[Callable[[str, int], None]] = None
-
-
-def fault_point(point: str, iteration: int) -> None:
-    if FAULT_HOOK is not None:
-        FAULT_HOOK(point, iteration)
-
 
 def _rank_world():
     if dist.is_initialized():
@@ -126,13 +117,13 @@ def write_manifest(directory: str, iteration: int, algorithm: str, layout: dict,
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(directory, MANIFEST))
-        _fsync_dir(directory)
+        fsync_dir(directory)
     if dist.is_initialized():
         dist.barrier()
     return manifest
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
