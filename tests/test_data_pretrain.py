@@ -10,10 +10,12 @@ import torch
 
 import megatron_glm5  # noqa: F401  (shims before megatron.core)
 from megatron_glm5.data import TINY_PRETRAIN_A, TINY_PRETRAIN_B
-from megatron_glm5.data import pretrain as pretrain_mod
+from megatron_glm5.data import dataset_helpers, preprocess
+from megatron_glm5.data.blend import normalize_blend
+from megatron_glm5.data.dataset_helpers import ensure_helpers
 from megatron_glm5.data.jsonl import DataError, JsonlStats, iter_jsonl, read_jsonl
-from megatron_glm5.data.pretrain import (build_pretrain_datasets, ensure_helpers, normalize_blend, preprocess_jsonl,
-                                         prefix_is_complete)
+from megatron_glm5.data.preprocess import prefix_is_complete, preprocess_jsonl
+from megatron_glm5.data.pretrain_datasets import build_pretrain_datasets
 from megatron_glm5.data.tokenizer import load_tokenizer
 from megatron_glm5.errors import UserError
 
@@ -159,7 +161,7 @@ def test_preprocess_bad_lines(tmp_path, tok):
 
 def test_preprocess_is_resumable(tmp_path, tok, monkeypatch):
     prefix = str(tmp_path / "out" / "corpus")
-    real = pretrain_mod._write_document
+    real = preprocess._write_document
     calls = {"n": 0}
 
     def crash_after_100(builder, ids):
@@ -168,7 +170,7 @@ def test_preprocess_is_resumable(tmp_path, tok, monkeypatch):
             raise KeyboardInterrupt("simulated kill")
         real(builder, ids)
 
-    monkeypatch.setattr(pretrain_mod, "_write_document", crash_after_100)
+    monkeypatch.setattr(preprocess, "_write_document", crash_after_100)
     with pytest.raises(KeyboardInterrupt):
         preprocess_jsonl(TINY_PRETRAIN_A, prefix, tok, append_eod=True, progress=False)
     assert not os.path.exists(prefix + ".bin") and not os.path.exists(prefix + ".idx")
@@ -176,7 +178,7 @@ def test_preprocess_is_resumable(tmp_path, tok, monkeypatch):
     # a run killed hard (no cleanup) leaves temporary files of a dead process: the next run removes them
     stale = prefix + ".tmp-999999999.bin"
     open(stale, "wb").close()
-    monkeypatch.setattr(pretrain_mod, "_write_document", real)
+    monkeypatch.setattr(preprocess, "_write_document", real)
     r = preprocess_jsonl(TINY_PRETRAIN_A, prefix, tok, append_eod=True, progress=False)
     assert prefix_is_complete(prefix) and not r.skipped_existing and r.documents == len(_texts(TINY_PRETRAIN_A))
     assert sorted(os.listdir(tmp_path / "out")) == ["corpus.bin", "corpus.idx"]
@@ -295,7 +297,7 @@ def test_jsonl_files_in_a_blend_are_preprocessed_once(prefixes, tok, tmp_path):
     counts = collections.Counter(int(train[i]["dataset_id"]) for i in range(len(train)))
     assert counts[1] == 100
     mtime = os.path.getmtime(cache / "indexed" / built[1])
-    from megatron_glm5.data.pretrain import ensure_indexed
+    from megatron_glm5.data.index_cache import ensure_indexed
 
     prefix = ensure_indexed(str(src), tok, cache_dir=str(cache / "indexed"))
     assert prefix_is_complete(prefix) and os.path.getmtime(prefix + ".idx") == mtime  # reused
@@ -313,6 +315,6 @@ def test_helpers_build_fallback(tmp_path, monkeypatch):
     import megatron.core.datasets as mds
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    module = pretrain_mod._compile_helpers_into_cache(os.path.join(os.path.dirname(mds.__file__), "helpers.cpp"),
-                                                      ImportError("test"))
+    module = dataset_helpers._compile_helpers_into_cache(os.path.join(os.path.dirname(mds.__file__), "helpers.cpp"),
+                                                         ImportError("test"))
     assert hasattr(module, "build_sample_idx_int32")

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     if args.workers < 1:
         print("error: --workers must be >= 1", file=sys.stderr)
         return 2
-    from megatron_glm5.data.pretrain import preprocess_jsonl
+    from megatron_glm5.data.preprocess import preprocess_jsonl
     from megatron_glm5.errors import UserError
 
     try:

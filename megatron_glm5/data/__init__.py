@@ -1,5 +1,9 @@
 """Data pipeline: tokenizers, validated jsonl, pretraining (megatron-core indexed/GPT datasets), chat SFT, packing.
 
+Modules: tokenizer, jsonl (validated reading), preprocess (jsonl -> .bin/.idx), index_cache (jsonl prefixes
+preprocessed once), blend (prefix/weight lists), dataset_helpers (megatron-core's C++ helpers), pretrain_datasets
+(GPTDataset splits), sft (chat samples), packing.
+
 ::
 
     from megatron_glm5.data import load_tokenizer, preprocess_jsonl, build_pretrain_datasets
@@ -19,8 +23,11 @@ import os as _os
 
 from megatron_glm5.data.jsonl import DataError, JsonlStats, iter_jsonl, parse_jsonl_line, read_jsonl
 from megatron_glm5.data.packing import collate_padded, concat_packed, make_packed_seq_params, pack_sequences
-from megatron_glm5.data.pretrain import (PreprocessResult, build_pretrain_datasets, ensure_helpers, ensure_indexed,
-                                         normalize_blend, prefix_is_complete, preprocess_jsonl)
+from megatron_glm5.data.blend import normalize_blend
+from megatron_glm5.data.dataset_helpers import ensure_helpers
+from megatron_glm5.data.index_cache import ensure_indexed
+from megatron_glm5.data.preprocess import PreprocessResult, prefix_is_complete, preprocess_jsonl
+from megatron_glm5.data.pretrain_datasets import build_pretrain_datasets
 from megatron_glm5.data.sft import SFTDataset, SFTStats, tokenize_chat, validate_chat_record
 from megatron_glm5.data.tokenizer import (ChatTemplateError, GLM5Tokenizer, TokenizerNotFoundError, load_tokenizer,
                                           ASSETS_DIR, TINY_TOKENIZER_DIR)

@@ -26,6 +26,7 @@ from megatron_glm5.errors import UserError
 __all__ = [
     "GLM5Tokenizer",
     "load_tokenizer",
+    "TokenizerLike",
     "TokenizerNotFoundError",
     "ChatTemplateError",
     "GLM_SPECIAL_TOKENS",
@@ -334,7 +335,11 @@ def _load_sentencepiece(model_file: str, name_or_path: str) -> GLM5Tokenizer:
     return GLM5Tokenizer("sentencepiece", sp, name_or_path, template, eod, pad, special_ids)
 
 
-def load_tokenizer(path_or_name: Union[str, os.PathLike, GLM5Tokenizer, None] = None) -> GLM5Tokenizer:
+#: what load_tokenizer takes: a tokenizer, a path or name, or None (the tiny tokenizer)
+TokenizerLike = Union[GLM5Tokenizer, str, os.PathLike, None]
+
+
+def load_tokenizer(path_or_name: TokenizerLike = None) -> GLM5Tokenizer:
     """Load a tokenizer, offline.
 
     ``path_or_name``: ``None`` or ``"tiny"`` (the shipped tiny tokenizer); a Hugging Face tokenizer directory

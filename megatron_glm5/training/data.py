@@ -125,7 +125,7 @@ def build_streams(args, tokenizer, consumed_train: int = 0):
         log.info("SFT: %d training %s, %s", len(train_samples), "packed rows" if args.packing else "samples",
                  f"{len(valid[0])} validation" if valid else "no validation")
     else:
-        from megatron_glm5.data.pretrain import build_pretrain_datasets
+        from megatron_glm5.data.pretrain_datasets import build_pretrain_datasets
 
         gbs = args.global_batch_size
         eval_runs = (args.train_iters // max(args.eval_interval, 1) + 1) * args.eval_iters
