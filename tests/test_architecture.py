@@ -124,3 +124,30 @@ def test_package_has_no_import_cycles():
     found = cycles(import_graph(ROOT, PACKAGE))
     assert not found, "import cycles in megatron_glm5 (module-level or function-local imports):\n" + "\n".join(
         " <-> ".join(c) for c in found)
+
+
+# the backend every GPU backend composes as its visible fallback (``self.fallback``) for what its library lacks
+FALLBACK_BACKEND = "megatron_glm5.ops.triton_backend"
+
+
+def test_ops_backends_are_layered():
+    """ops/: every backend module imports the base and its own kernels, never another backend (except the one
+    fallback, composed explicitly); the fallback and the base import no backend; nothing in ops/ imports the
+    registry back."""
+    from megatron_glm5.ops.registry import BACKENDS
+
+    graph = import_graph(ROOT, PACKAGE)
+    backend_modules = {type(b).__module__ for b in BACKENDS.values()}
+    assert FALLBACK_BACKEND in backend_modules and len(backend_modules) == len(BACKENDS)
+    problems = []
+    for module in sorted(backend_modules):
+        allowed = {FALLBACK_BACKEND} if module != FALLBACK_BACKEND else set()
+        for other in sorted(graph[module] & (backend_modules - allowed)):
+            problems.append(f"{module} imports backend {other}")
+        outside = {m for m in graph[module] if not m.startswith(f"{PACKAGE}.ops")} - {f"{PACKAGE}.errors"}
+        problems.extend(f"{module} imports {m} (a backend sees only ops/)" for m in sorted(outside))
+    for module in sorted(graph):
+        if module.startswith(f"{PACKAGE}.ops.") and f"{PACKAGE}.ops.registry" in graph[module]:
+            problems.append(f"{module} imports the registry")
+    assert not (graph[f"{PACKAGE}.ops.base"] & backend_modules), "ops/base.py imports a backend"
+    assert not problems, "\n".join(problems)
