@@ -1,7 +1,7 @@
 """GLM-5 model hyper-parameters: one dataclass with Hugging Face semantics, and its megatron-core mapping.
 
 :class:`GLM5Config` is the single source of model hyper-parameters in this project.  Its fields mirror
-``transformers.Gl  mMoeDsaConfig`` (the ``glm_moe_dsa`` model type), read from / written to a ``config.json`` with
+``transformers.GlmMoeDsaConfig`` (the ``glm_moe_dsa`` model type), read from / written to a ``config.json`` with
 :meth:`GLM5Config.from_hf` / :meth:`GLM5Config.to_hf` (an exact round trip), and
 :meth:`GLM5Config.to_transformer_config` turns it into a megatron-core ``MLATransformerConfig`` subclass
 (:class:`GLM5TransformerConfig`, built lazily so that importing this module does not import megatron.core).
@@ -25,12 +25,12 @@ All real presets share: first 3 layers dense (intermediate 12288), q_lora_rank 2
 qk_nope 192 + qk_rope 64, v_head_dim 256, 1 shared expert, moe_intermediate 2048, routed_scaling_factor 2.5,
 n_group 1 / topk_group 1, indexer 32 heads x 128 dims with index_topk 2048, rms_norm_eps 1e-5, untied lm_head,
 eos [154820, 154827, 154829], pad 154820.  GLM-5.2/5.3 add IndexShare (``index_topk_freq`` 4,
-``index_skip_topk  _offset`` 3: layers 0, 1, 2, 6, 10, ..., 74 are full), ``index_share_for_mtp_iteration`` true,
-``moe_router_dtyp  e`` "float32" and the misleading ``head_dim: 192`` key (kept in the emitted config.json, never
+``index_skip_topk_offset`` 3: layers 0, 1, 2, 6, 10, ..., 74 are full), ``index_share_for_mtp_iteration`` true,
+``moe_router_dtype`` "float32" and the misleading ``head_dim: 192`` key (kept in the emitted config.json, never
 used for a width).  The tiny presets: 4 layers (first 1 dense, intermediate 128), q_lora 32, kv_lora 16,
 qk_nope 16 + qk_rope 8, v 16, 8 experts top-2 (moe_intermediate 32, 1 shared expert), indexer 4 heads x 16 dims,
 index_topk 16, pad 0, 1 MTP layer; ``tiny-groups`` uses n_group 2 / topk_group 1 (group-limited routing),
-``tiny-indexshare  `` also sets index_share_for_mtp_iteration and moe_router_dtype float32 like GLM-5.2/5.3.
+``tiny-indexshare`` also sets index_share_for_mtp_iteration and moe_router_dtype float32 like GLM-5.2/5.3.
 
 Parameter counts
 ----------------
@@ -38,17 +38,17 @@ Parameter counts
 the router's ``e_score_correction_bias`` is a *buffer* in transformers (megatron's ``router.expert_bias`` too)
 and is not counted unless ``include_buffers=True``.  ``include_mtp=True`` adds the MTP block(s): per MTP layer
 one full decoder layer (MoE MLP, with its own indexer), ``eh_proj`` [hidden, 2*hidden], ``enorm``, ``hnorm`` and
-``shared_head.nor  m``.  The MTP ``embed_tokens`` / ``shared_head.head`` are tied to the main embedding and output
+``shared_head.norm``.  The MTP ``embed_tokens`` / ``shared_head.head`` are tied to the main embedding and output
 layer in megatron, so they are not counted (on disk they are stored again under ``model.layers.78.*``).
 For GLM-5.2/5.3 the MTP extra is 9,952,920,320 parameters.
 
 IndexShare
 ----------
-``indexer_types[i  ]`` is ``"full"`` (layer i has its own indexer and computes the top-k) or ``"shared"`` (no indexer
+``indexer_types[i]`` is ``"full"`` (layer i has its own indexer and computes the top-k) or ``"shared"`` (no indexer
 weights; reuses the top-k of the nearest earlier full layer, see :meth:`GLM5Config.index_source_layer`).
 :meth:`GLM5Config.from_hf` resolves it exactly like transformers: explicit ``indexer_types``, else
-``index_topk_patt  ern`` (an ``"F"``/``"S"`` string or a list), else layer i is full iff
-``max(i - index_s  kip_topk_offset + 1, 0) % index_topk_freq == 0`` (defaults 1 and 2: all full).
+``index_topk_pattern`` (an ``"F"``/``"S"`` string or a list), else layer i is full iff
+``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0`` (defaults 1 and 2: all full).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 # GLM5TransformerConfig is importable by name (module __getattr__) but kept out of __all__ so that
 # `from megatron_glm5.config import *` does not import megatron.core.
@@ -74,7 +74,7 @@ ARCHITECTURE = "GlmMoeDsaForCausalLM"
 _ACCEPTED_ARCHITECTURES = ("GlmMoeDsaForCausalLM", "GlmMoeDsaModel")
 INDEXER_TYPES = ("full", "shared")
 MLP_LAYER_TYPES = ("dense", "sparse")
-DSA_STAGES = ("sparse", "dense-warmup")
+DSA_STAGES = ("dense-warmup", "sparse")  # --dsa-stage choices, in training order
 
 
 class ConfigError(ValueError):
@@ -89,60 +89,43 @@ class ConfigError(ValueError):
 # HF config.json <-> fields
 # --------------------------------------------------------------------------------------------------------------
 
-# Defaults used for keys missing from a config.json; they are transformers' GlmMoeDsaConfig defaults (so that a
-# partial config resolves to what transformers would build), plus the GLM-specific keys transformers does not
-# model (num_nextn_predict_layers, index_share_for_mtp_iteration, moe_router_dtype): absent means off.
-_HF_DEFAULTS: Dict[str, Any] = dict(
-    vocab_size=154880,
-    hidden_size=6144,
-    intermediate_size=12288,
-    moe_intermediate_size=2048,
-    num_hidden_layers=78,
-    num_attention_heads=64,
-    num_key_value_heads=64,
-    n_shared_experts=1,
-    n_routed_experts=256,
-    routed_scaling_factor=2.5,
-    kv_lora_rank=512,
-    q_lora_rank=2048,
-    qk_rope_head_dim=64,
-    v_head_dim=256,
-    qk_nope_head_dim=192,
-    n_group=1,
-    topk_group=1,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    hidden_act="silu",
-    max_position_embeddings=202752,
-    initializer_range=0.02,
-    rms_norm_eps=1e-5,
-    pad_token_id=None,
-    bos_token_id=0,
-    eos_token_id=1,
-    tie_word_embeddings=False,
-    attention_bias=False,
-    attention_dropout=0.0,
-    index_topk=2048,
-    index_head_dim=128,
-    index_n_heads=32,
-    first_k_dense_replace=3,
-    num_nextn_predict_layers=0,
-    index_share_for_mtp_iteration=False,
-    moe_router_dtype=None,
-)
-_DEFAULT_ROPE_THETA = 10000.0
+# Each GLM5Config field is declared once, in the dataclass below: its default (transformers' GlmMoeDsaConfig
+# default, so that a partial config.json resolves to what transformers would build; for the GLM-specific keys
+# transformers does not model -- num_nextn_predict_layers, index_share_for_mtp_iteration, moe_router_dtype --
+# absent means off) and, in its metadata (see _field), how config.json stores it, its range check and the
+# GLM5TransformerConfig field it becomes.  The tables below the class (_HF_DEFAULTS, _SIMPLE_KEYS, _CHECKED,
+# _MCORE_FIELDS) are derived from those declarations.
+_RANGE_CHECKS: Dict[str, Callable[[Any], bool]] = {  # check name (the error's wording) -> test, in checking order
+    "positive integer": lambda v: _is_int(v) and v > 0,
+    "non-negative integer": lambda v: _is_int(v) and v >= 0,
+    "positive number": lambda v: _is_number(v) and v > 0,
+    "non-negative number": lambda v: _is_number(v) and v >= 0,
+}
 
-# Fields stored under the same key in config.json (everything except rope_theta and the two per-layer lists).
-_SIMPLE_KEYS: Tuple[str, ...] = tuple(_HF_DEFAULTS)
 
-# Integer sizes that must be > 0 (index_topk included: a top-k of 0 selects nothing).
-_POSITIVE_INTS = (
-    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "n_routed_experts", "kv_lora_rank", "q_lora_rank",
-    "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
-    "max_position_embeddings", "index_topk", "index_head_dim", "index_n_heads",
-)
-_NON_NEGATIVE_INTS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
+def _field(default: Any, *, check: Optional[str] = None, hf: Optional[str] = "same",
+           hf_aliases: Tuple[str, ...] = (), hf_omit_none: bool = False, mcore: Optional[str] = None,
+           mcore_type: Optional[type] = None, arch: bool = False, doc: str = "", **kw: Any):
+    """A GLM5Config field with its metadata (a field declared without it is a plain config.json key, no check).
+
+    ``check``: a key of _RANGE_CHECKS (an integer size > 0 is "positive integer").  ``hf``: "same" (stored under
+    the field's name, missing means the default), "special" (rope_theta, the per-layer lists: from_hf / to_hf
+    handle them by name) or None (not a config.json key: ``raw``).  ``hf_aliases``: older key names read too (a
+    later one wins), dropped when the field is written.  ``hf_omit_none``: None is written as an absent key.
+    ``arch``: the field shapes the weights, so a checkpoint and the model it is loaded into must agree on it
+    (ARCH_FIELDS).  ``mcore``: the GLM5TransformerConfig field (one megatron-core's MLATransformerConfig lacks)
+    that carries the value, converted by ``mcore_type``, documented by ``doc``; the fields megatron-core has are
+    mapped in :meth:`GLM5Config.to_transformer_config`.
+    """
+    if check is not None and check not in _RANGE_CHECKS:
+        raise ValueError(f"unknown check {check!r}")
+    meta = dict(check=check, hf=hf, hf_aliases=hf_aliases, hf_omit_none=hf_omit_none, mcore=mcore,
+                mcore_type=mcore_type, arch=arch, doc=doc)
+    return field(default=default, metadata=meta, **kw)
+
+
+def _meta(f: dataclasses.Field, key: str) -> Any:
+    return f.metadata.get(key, {"hf": "same", "hf_aliases": ()}.get(key))
 
 
 def _is_int(v: Any) -> bool:
@@ -199,6 +182,40 @@ def _resolve_indexer_types(d: Mapping[str, Any], num_layers: int) -> List[str]:
     return _freq_offset_indexer_types(num_layers, d.get("index_topk_freq"), d.get("index_skip_topk_offset"))
 
 
+def _check_indexer_types(types: Sequence[str], n: int, name: str, n_name: str) -> None:
+    """The per-layer indexer types: ``n`` of them, each "full" or "shared", layer 0 full."""
+    if len(types) != n:
+        raise ConfigError(f"len({name}) is {len(types)}, {n_name} is {n}", field=name)
+    bad = sorted({t for t in types if t not in INDEXER_TYPES}, key=str)
+    if bad:
+        raise ConfigError(
+            f"{name}: unknown indexer type(s) {', '.join(map(repr, bad))} (expected 'full' or 'shared')", field=name
+        )
+    if types and types[0] != "full":
+        raise ConfigError(
+            f"{name}: layer 0 is 'shared' but there is no earlier full layer to share the top-k of", field=name
+        )
+
+
+def _index_source_layer(types: Sequence[str], i: int) -> int:
+    """0-based index of the layer whose top-k layer ``i`` uses: the nearest full layer <= i."""
+    for j in range(i, -1, -1):
+        if types[j] == "full":
+            return j
+    raise ConfigError(f"layer {i} is 'shared' but no earlier layer is 'full'", field="indexer_types")
+
+
+def check_cp_seq_length(seq_length: int, cp: int) -> None:
+    """--seq-length against --cp: the load-balanced context-parallel split cuts every sequence into 2 * cp equal
+    chunks (model/context_parallel.py).  The one check of the flags; validate_args and validate_layout call it."""
+    if cp > 1 and seq_length % (2 * cp):
+        raise ConfigError(
+            f"--seq-length {seq_length} is not divisible by 2 x --cp {cp} = {2 * cp} (load-balanced context-parallel "
+            "split)",
+            field="seq_length",
+        )
+
+
 def _dense_first_mlp_types(num_layers: int, first_k_dense: int) -> List[str]:
     n_dense = min(max(first_k_dense, 0), num_layers) if _is_int(first_k_dense) else 0
     return ["dense"] * n_dense + ["sparse"] * (num_layers - n_dense)
@@ -226,11 +243,9 @@ def _fields_from_hf_dict(d: Mapping[str, Any], src: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for key in _SIMPLE_KEYS:
         out[key] = copy.deepcopy(d.get(key, _HF_DEFAULTS[key]))
-    # Backward-compatible aliases transformers honours (num_experts wins, as in GlmMoeDsaConfig.__post_init__).
-    if d.get("num_local_experts") is not None:
-        out["n_routed_experts"] = d["num_local_experts"]
-    if d.get("num_experts") is not None:
-        out["n_routed_experts"] = d["num_experts"]
+        for alias in _HF_ALIASES.get(key, ()):  # backward-compatible names transformers honours; the last one wins
+            if d.get(alias) is not None:
+                out[key] = d[alias]
 
     rp = d.get("rope_parameters")
     if rp is not None and not isinstance(rp, Mapping):
@@ -248,7 +263,7 @@ def _fields_from_hf_dict(d: Mapping[str, Any], src: str) -> Dict[str, Any]:
     elif d.get("rope_theta") is not None:
         out["rope_theta"] = d["rope_theta"]
     else:
-        out["rope_theta"] = _DEFAULT_ROPE_THETA
+        out["rope_theta"] = _DEFAULTS["rope_theta"]
 
     try:
         out["indexer_types"] = _resolve_indexer_types(d, out["num_hidden_layers"])
@@ -299,46 +314,63 @@ class GLM5Config:
     ``first_k_dense_replace``: it re-derives the per-layer lists.
     """
 
-    vocab_size: int = 154880
-    hidden_size: int = 6144
-    intermediate_size: int = 12288
-    moe_intermediate_size: int = 2048
-    num_hidden_layers: int = 78
-    num_attention_heads: int = 64
-    num_key_value_heads: int = 64
-    n_shared_experts: int = 1
-    n_routed_experts: int = 256
-    routed_scaling_factor: float = 2.5
-    kv_lora_rank: int = 512
-    q_lora_rank: int = 2048
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 256
-    qk_nope_head_dim: int = 192
-    n_group: int = 1
-    topk_group: int = 1
-    num_experts_per_tok: int = 8
+    # arch=True: the field shapes the weights (a checkpoint must agree on it); mcore=: see _field
+    vocab_size: int = _field(154880, check="positive integer", arch=True, mcore="vocab_size",
+                             doc="Vocabulary size (unpadded).")
+    hidden_size: int = _field(6144, check="positive integer", arch=True)
+    intermediate_size: int = _field(12288, check="positive integer", arch=True)
+    moe_intermediate_size: int = _field(2048, check="positive integer", arch=True)
+    num_hidden_layers: int = _field(78, check="positive integer", arch=True)
+    num_attention_heads: int = _field(64, check="positive integer", arch=True)
+    num_key_value_heads: int = _field(64, check="positive integer")
+    n_shared_experts: int = _field(1, check="non-negative integer", arch=True)
+    # num_experts wins over num_local_experts, as in GlmMoeDsaConfig.__post_init__
+    n_routed_experts: int = _field(256, check="positive integer", arch=True,
+                                   hf_aliases=("num_local_experts", "num_experts"))
+    routed_scaling_factor: float = _field(2.5, check="positive number")
+    kv_lora_rank: int = _field(512, check="positive integer", arch=True)
+    q_lora_rank: int = _field(2048, check="positive integer", arch=True)
+    qk_rope_head_dim: int = _field(64, check="positive integer", arch=True)
+    v_head_dim: int = _field(256, check="positive integer", arch=True)
+    qk_nope_head_dim: int = _field(192, check="positive integer", arch=True)
+    n_group: int = _field(1, check="positive integer")
+    topk_group: int = _field(1, check="positive integer")
+    num_experts_per_tok: int = _field(8, check="positive integer")
     norm_topk_prob: bool = True
     hidden_act: str = "silu"
-    max_position_embeddings: int = 202752
-    initializer_range: float = 0.02
-    rms_norm_eps: float = 1e-5
-    pad_token_id: Optional[int] = None
+    max_position_embeddings: int = _field(202752, check="positive integer")
+    initializer_range: float = _field(0.02, check="non-negative number")
+    rms_norm_eps: float = _field(1e-5, check="positive number")
+    pad_token_id: Optional[int] = _field(None, mcore="pad_token_id",
+                                         doc="Embedding padding index (None: no padding_idx).")
     bos_token_id: Optional[int] = 0
     eos_token_id: Union[int, List[int], None] = 1
     tie_word_embeddings: bool = False
-    rope_theta: float = _DEFAULT_ROPE_THETA
+    # config.json: rope_parameters.rope_theta (or a top-level rope_theta)
+    rope_theta: float = _field(10000.0, check="positive number", hf="special")
     attention_bias: bool = False
-    attention_dropout: float = 0.0
-    index_topk: int = 2048
-    index_head_dim: int = 128
-    index_n_heads: int = 32
-    first_k_dense_replace: int = 3
-    mlp_layer_types: Optional[List[str]] = None
-    indexer_types: Optional[List[str]] = None
-    num_nextn_predict_layers: int = 0
-    index_share_for_mtp_iteration: bool = False
-    moe_router_dtype: Optional[str] = None
-    raw: Optional[Dict[str, Any]] = field(default=None, repr=False, compare=False)
+    attention_dropout: float = _field(0.0, check="non-negative number")
+    # a top-k of 0 selects nothing
+    index_topk: int = _field(2048, check="positive integer", mcore="dsa_index_topk",
+                             doc="Keys kept per query by the sparse attention.")
+    index_head_dim: int = _field(128, check="positive integer", arch=True, mcore="dsa_index_head_dim",
+                                 doc="Lightning-indexer head dim (RoPE on its first qk_pos_emb_head_dim dims).")
+    index_n_heads: int = _field(32, check="positive integer", arch=True, mcore="dsa_index_n_heads",
+                                doc="Lightning-indexer heads.")
+    first_k_dense_replace: int = _field(3, check="non-negative integer")
+    # config.json: an explicit list, else derived from first_k_dense_replace
+    mlp_layer_types: Optional[List[str]] = _field(None, hf="special", arch=True)
+    # config.json: an explicit list, else index_topk_pattern, else index_topk_freq / index_skip_topk_offset
+    indexer_types: Optional[List[str]] = _field(
+        None, hf="special", arch=True, mcore="dsa_indexer_types", mcore_type=tuple,
+        doc='Per main layer "full" (own indexer) or "shared" (reuse the nearest earlier full layer\'s top-k); '
+            "empty means all full.")
+    num_nextn_predict_layers: int = _field(0, check="non-negative integer")
+    index_share_for_mtp_iteration: bool = _field(
+        False, mcore="dsa_mtp_indexer_shared", mcore_type=bool,
+        doc="index_share_for_mtp_iteration: MTP iterations after the first reuse the first one's top-k.")
+    moe_router_dtype: Optional[str] = _field(None, hf_omit_none=True)
+    raw: Optional[Dict[str, Any]] = _field(None, hf=None, repr=False, compare=False)
 
     # ---------------------------------------------------------------- construction
     def __post_init__(self) -> None:
@@ -358,22 +390,11 @@ class GLM5Config:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` (naming the field) when the configuration is inconsistent."""
-        for name in _POSITIVE_INTS:
-            v = getattr(self, name)
-            if not _is_int(v) or v <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}", field=name)
-        for name in _NON_NEGATIVE_INTS:
-            v = getattr(self, name)
-            if not _is_int(v) or v < 0:
-                raise ConfigError(f"{name} must be a non-negative integer, got {v!r}", field=name)
-        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
-            v = getattr(self, name)
-            if not _is_number(v) or v <= 0:
-                raise ConfigError(f"{name} must be a positive number, got {v!r}", field=name)
-        for name in ("initializer_range", "attention_dropout"):
-            v = getattr(self, name)
-            if not _is_number(v) or v < 0:
-                raise ConfigError(f"{name} must be a non-negative number, got {v!r}", field=name)
+        for check, ok in _RANGE_CHECKS.items():
+            for name in _CHECKED[check]:
+                v = getattr(self, name)
+                if not ok(v):
+                    raise ConfigError(f"{name} must be a {check}, got {v!r}", field=name)
         if self.qk_rope_head_dim % 2:
             raise ConfigError(
                 f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}",
@@ -432,22 +453,7 @@ class GLM5Config:
                 f"mlp_layer_types: unknown type(s) {', '.join(map(repr, bad))} (expected 'dense' or 'sparse')",
                 field="mlp_layer_types",
             )
-        if len(self.indexer_types) != n:
-            raise ConfigError(
-                f"len(indexer_types) is {len(self.indexer_types)}, num_hidden_layers is {n}",
-                field="indexer_types",
-            )
-        bad = sorted({t for t in self.indexer_types if t not in INDEXER_TYPES}, key=str)
-        if bad:
-            raise ConfigError(
-                f"indexer_types: unknown indexer type(s) {', '.join(map(repr, bad))} (expected 'full' or 'shared')",
-                field="indexer_types",
-            )
-        if self.indexer_types[0] != "full":
-            raise ConfigError(
-                "indexer_types: layer 0 is 'shared' but there is no earlier full layer to share the top-k of",
-                field="indexer_types",
-            )
+        _check_indexer_types(self.indexer_types, n, "indexer_types", "num_hidden_layers")
         if self.pad_token_id is not None and not (_is_int(self.pad_token_id) and 0 <= self.pad_token_id < self.vocab_size):
             raise ConfigError(
                 f"pad_token_id ({self.pad_token_id!r}) must be None or in [0, vocab_size={self.vocab_size})",
@@ -526,10 +532,7 @@ class GLM5Config:
     def index_source_layer(self, i: int) -> int:
         """0-based index of the layer whose top-k layer ``i`` uses: the nearest full layer <= i."""
         self._check_layer(i)
-        for j in range(i, -1, -1):
-            if self.indexer_types[j] == "full":
-                return j
-        raise ConfigError(f"layer {i} is 'shared' but no earlier layer is 'full'", field="indexer_types")
+        return _index_source_layer(self.indexer_types, i)
 
     def is_moe_layer(self, i: int) -> bool:
         self._check_layer(i)
@@ -547,7 +550,7 @@ class GLM5Config:
         d: Dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE}
         for key in _SIMPLE_KEYS:
             v = self._hf_value(key)
-            if key == "moe_router_dtype" and v is None:
+            if key in _HF_OMIT_NONE and v is None:
                 continue
             d[key] = v
         d["rope_parameters"] = {"rope_theta": self.rope_theta, "rope_type": "default"}
@@ -574,13 +577,12 @@ class GLM5Config:
             v = getattr(self, key)
             if base is not None and getattr(base, key) == v:
                 continue  # unchanged: keep the source's spelling (or absence) of the key
-            if key == "moe_router_dtype" and v is None:
+            if key in _HF_OMIT_NONE and v is None:
                 out.pop(key, None)
                 continue
             out[key] = copy.deepcopy(v)
-            if key == "n_routed_experts":
-                out.pop("num_experts", None)
-                out.pop("num_local_experts", None)
+            for alias in _HF_ALIASES.get(key, ()):
+                out.pop(alias, None)
 
         if base is None or base.rope_theta != self.rope_theta:
             rp = out.get("rope_parameters")
@@ -739,12 +741,7 @@ class GLM5Config:
         if seq_length is not None:
             if not _is_int(seq_length) or seq_length < 1:
                 raise ConfigError(f"--seq-length must be a positive integer, got {seq_length!r}", field="seq_length")
-            if cp > 1 and seq_length % (2 * cp):
-                raise ConfigError(
-                    f"--seq-length {seq_length} is not divisible by 2 * --cp = {2 * cp} "
-                    "(load-balanced context-parallel split)",
-                    field="seq_length",
-                )
+            check_cp_seq_length(seq_length, cp)
 
     # ---------------------------------------------------------------- megatron
     def to_transformer_config(self, **overrides: Any):
@@ -819,14 +816,9 @@ class GLM5Config:
             use_cpu_initialization=not torch.cuda.is_available(),
             params_dtype=torch.float32,
             bf16=False,
-            vocab_size=self.vocab_size,
-            pad_token_id=self.pad_token_id,
-            dsa_index_n_heads=self.index_n_heads,
-            dsa_index_head_dim=self.index_head_dim,
-            dsa_index_topk=self.index_topk,
-            dsa_indexer_types=tuple(self.indexer_types),
-            dsa_mtp_indexer_shared=bool(self.index_share_for_mtp_iteration),
         )
+        for name, (mcore, convert) in _MCORE_FIELDS.items():  # the GLM-5 fields megatron-core lacks
+            kw[mcore] = getattr(self, name) if convert is None else convert(getattr(self, name))
         if self.moe_router_dtype in ("float64", "fp64"):
             kw["moe_router_dtype"] = "fp64"
         kw.update(overrides)
@@ -838,6 +830,25 @@ class GLM5Config:
             raise
         except (ValueError, AssertionError, NotImplementedError) as e:
             raise ConfigError(f"megatron TransformerConfig rejected the GLM-5 config: {e}") from e
+
+
+# Tables derived from the field declarations (see _field).
+_FIELDS: Tuple[dataclasses.Field, ...] = tuple(f for f in dataclasses.fields(GLM5Config))
+_DEFAULTS: Dict[str, Any] = {f.name: f.default for f in _FIELDS}
+# Fields stored under their own name in config.json, and the defaults used for those keys when missing.
+_SIMPLE_KEYS: Tuple[str, ...] = tuple(f.name for f in _FIELDS if _meta(f, "hf") == "same")
+_HF_DEFAULTS: Dict[str, Any] = {k: _DEFAULTS[k] for k in _SIMPLE_KEYS}
+_HF_ALIASES: Dict[str, Tuple[str, ...]] = {f.name: _meta(f, "hf_aliases") for f in _FIELDS if _meta(f, "hf_aliases")}
+_HF_OMIT_NONE = frozenset(f.name for f in _FIELDS if _meta(f, "hf_omit_none"))
+_CHECKED: Dict[str, Tuple[str, ...]] = {
+    check: tuple(f.name for f in _FIELDS if _meta(f, "check") == check) for check in _RANGE_CHECKS
+}
+# The fields that shape the weights: a checkpoint must agree with the model on them (training/checkpointing.py).
+ARCH_FIELDS: Tuple[str, ...] = tuple(f.name for f in _FIELDS if _meta(f, "arch"))
+# GLM5Config field -> (GLM5TransformerConfig field, converter or None)
+_MCORE_FIELDS: Dict[str, Tuple[str, Optional[type]]] = {
+    f.name: (_meta(f, "mcore"), _meta(f, "mcore_type")) for f in _FIELDS if _meta(f, "mcore")
+}
 
 
 def _safe(fn):
@@ -978,6 +989,21 @@ def _apply_pre_import_shims() -> None:
 _TRANSFORMER_CONFIG_CLASS = None
 
 
+def _glm5_model_fields(base: type) -> type:
+    """A dataclass subclass of ``base`` with one field per GLM5Config field declared with ``mcore=`` (its name, its
+    converted default, its ``doc`` as metadata): GLM5TransformerConfig's copy of the model fields, derived."""
+    specs = []
+    for f in _FIELDS:
+        mcore, convert = _meta(f, "mcore"), _meta(f, "mcore_type")
+        if mcore:
+            default = f.default if convert is None else convert() if f.default is None else convert(f.default)
+            specs.append((mcore, f.type if convert is None else convert,
+                          field(default=default, metadata={"doc": _meta(f, "doc"), "glm5_field": f.name})))
+    cls = dataclasses.make_dataclass("GLM5ModelFields", specs, bases=(base,))
+    cls.__module__ = __name__
+    return cls
+
+
 def transformer_config_class():
     """The :class:`GLM5TransformerConfig` class (a dataclass subclass of megatron's MLATransformerConfig),
     created on first use so that importing this module does not import megatron.core."""
@@ -988,24 +1014,10 @@ def transformer_config_class():
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     @dataclass
-    class GLM5TransformerConfig(MLATransformerConfig):
-        """megatron-core MLA config plus the GLM-5 fields (DSA indexer, IndexShare, vocabulary)."""
+    class GLM5TransformerConfig(_glm5_model_fields(MLATransformerConfig)):
+        """megatron-core MLA config plus the GLM-5 fields: the model's (vocabulary, DSA indexer, IndexShare: declared
+        on GLM5Config with ``mcore=``) and the training ones below."""
 
-        vocab_size: int = 154880
-        """Vocabulary size (unpadded)."""
-        pad_token_id: Optional[int] = None
-        """Embedding padding index (None: no padding_idx)."""
-        dsa_index_n_heads: int = 32
-        """Lightning-indexer heads."""
-        dsa_index_head_dim: int = 128
-        """Lightning-indexer head dim (RoPE on its first qk_pos_emb_head_dim dims)."""
-        dsa_index_topk: int = 2048
-        """Keys kept per query by the sparse attention."""
-        dsa_indexer_types: tuple = ()
-        """Per main layer "full" (own indexer) or "shared" (reuse the nearest earlier full layer's top-k);
-        empty means all full."""
-        dsa_mtp_indexer_shared: bool = False
-        """index_share_for_mtp_iteration: MTP iterations after the first reuse the first one's top-k."""
         dsa_stage: str = "sparse"
         """"sparse" (top-k attention) or "dense-warmup" (dense attention, only the indexer trained)."""
         dsa_indexer_loss_coeff: float = 0.0
@@ -1035,16 +1047,7 @@ def transformer_config_class():
         def __post_init__(self):
             super().__post_init__()
             self.dsa_indexer_types = tuple(self.dsa_indexer_types) or ("full",) * self.num_layers
-            if len(self.dsa_indexer_types) != self.num_layers:
-                raise ConfigError(
-                    f"len(dsa_indexer_types) is {len(self.dsa_indexer_types)}, num_layers is {self.num_layers}",
-                    field="dsa_indexer_types",
-                )
-            bad = sorted({t for t in self.dsa_indexer_types if t not in INDEXER_TYPES}, key=str)
-            if bad:
-                raise ConfigError(f"dsa_indexer_types: unknown indexer type(s) {bad}", field="dsa_indexer_types")
-            if self.dsa_indexer_types[0] != "full":
-                raise ConfigError("dsa_indexer_types: layer 0 must be 'full'", field="dsa_indexer_types")
+            _check_indexer_types(self.dsa_indexer_types, self.num_layers, "dsa_indexer_types", "num_layers")
             if self.dsa_stage not in DSA_STAGES:
                 raise ConfigError(
                     f"dsa_stage must be one of {DSA_STAGES}, got {self.dsa_stage!r}", field="dsa_stage"
@@ -1067,10 +1070,7 @@ def transformer_config_class():
 
         def dsa_index_source_layer(self, i: int) -> int:
             """0-based main layer whose top-k layer i uses (the nearest full layer <= i)."""
-            for j in range(i, -1, -1):
-                if self.dsa_indexer_types[j] == "full":
-                    return j
-            raise ConfigError(f"layer {i} has no earlier full indexer layer", field="dsa_indexer_types")
+            return _index_source_layer(self.dsa_indexer_types, i)
 
     GLM5TransformerConfig.__module__ = __name__
     GLM5TransformerConfig.__qualname__ = "GLM5TransformerConfig"

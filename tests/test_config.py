@@ -533,3 +533,47 @@ def test_validate_layout():
         assert flag in str(ei.value) and field in str(ei.value), (kw, str(ei.value))
     # index_n_heads is not sharded: tp 64 is fine even though the indexer has 32 heads.
     c.validate_layout(tp=64, etp=1)
+    # the one --seq-length vs --cp check, worded as the flag error validate_args reports
+    with pytest.raises(ConfigError, match=r"^--seq-length 8192 is not divisible by 2 x --cp 3 = 6 \(load-balanced"):
+        c.validate_layout(cp=3, seq_length=8192)
+
+
+# ------------------------------------------------------------------------------------------------ one field table
+
+
+def test_field_declarations_are_the_one_table():
+    """config.json defaults, range checks and GLM5TransformerConfig's model fields follow from GLM5Config's fields."""
+    import megatron_glm5.config as mc
+
+    fields = {f.name: f for f in dataclasses.fields(GLM5Config)}
+    assert GLM5Config.from_hf({}) == GLM5Config()  # a missing config.json key means the field's default
+    assert set(mc._HF_DEFAULTS) == set(fields) - {"rope_theta", "mlp_layer_types", "indexer_types", "raw"}
+    assert all(mc._HF_DEFAULTS[k] == fields[k].default for k in mc._HF_DEFAULTS)
+    for name in ("hidden_size", "index_topk"):
+        with pytest.raises(ConfigError, match=f"^{name} must be a positive integer, got 0$"):
+            GLM5Config(**{name: 0})
+    with pytest.raises(ConfigError, match=r"^first_k_dense_replace must be a non-negative integer, got -1$"):
+        GLM5Config(first_k_dense_replace=-1)
+
+    tfields = {f.name: f for f in dataclasses.fields(mc.transformer_config_class())}
+    c = GLM5Config.from_preset("tiny-indexshare")
+    t = c.to_transformer_config()
+    assert set(mc._MCORE_FIELDS) == {"vocab_size", "pad_token_id", "index_topk", "index_head_dim", "index_n_heads",
+                                     "indexer_types", "index_share_for_mtp_iteration"}
+    for name, (mcore, convert) in mc._MCORE_FIELDS.items():
+        assert getattr(t, mcore) == (getattr(c, name) if convert is None else convert(getattr(c, name))), name
+        assert tfields[mcore].metadata["glm5_field"] == name
+    assert (tfields["dsa_index_topk"].default, tfields["dsa_index_n_heads"].default) == (2048, 32)
+    assert tfields["dsa_indexer_types"].default == () and tfields["dsa_mtp_indexer_shared"].default is False
+    # one indexer-types check, on both sides
+    with pytest.raises(ConfigError, match=r"^dsa_indexer_types: layer 0 is 'shared'"):
+        c.to_transformer_config(dsa_indexer_types=("shared", "full", "full", "full"))
+    with pytest.raises(ConfigError, match=r"^indexer_types: layer 0 is 'shared'"):
+        dataclasses.replace(c, indexer_types=["shared", "full", "full", "full"])
+
+
+def test_dsa_stages_defined_once():
+    import megatron_glm5.config as mc
+    from megatron_glm5.model import dsa
+
+    assert mc.DSA_STAGES == ("dense-warmup", "sparse") and dsa.DSA_STAGES is mc.DSA_STAGES

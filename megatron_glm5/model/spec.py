@@ -31,13 +31,6 @@ from megatron_glm5.model.mla import GLM5MLASelfAttention
 from megatron_glm5.model.moe import GLM5GroupedExperts, GLM5MoELayer, GLM5Router
 from megatron_glm5.model.norm import GLM5RMSNorm, latent_rms_norm
 
-def index_source_layer(indexer_types, layer_index: int) -> int:
-    """0-based index of the full-indexer layer whose top-k layer ``layer_index`` uses (itself if full)."""
-    for i in range(layer_index, -1, -1):
-        if indexer_types[i] == "full":
-            return i
-    raise ValueError(f"indexer_types: layer {layer_index} is 'shared' but no 'full' layer precedes it")
-
 
 def _shared_experts(*, config, pg_collection, gate, submodules, name=None):
     return SharedExpertMLP(config=config, submodules=submodules, gate=gate, pg_collection=pg_collection, name=name)
@@ -88,7 +81,7 @@ def decoder_layer_specs(config) -> list[ModuleSpec]:
         if types[i] == "full":
             specs.append(layer_spec(moe, "full", store_key=i + 1))
         else:
-            specs.append(layer_spec(moe, "shared", store_key=None, source_key=index_source_layer(types, i) + 1))
+            specs.append(layer_spec(moe, "shared", store_key=None, source_key=config.dsa_index_source_layer(i) + 1))
     return specs
 
 
@@ -127,7 +120,7 @@ def topk_links(config, vp_stage=None, pp_rank=None) -> TopkLinks:
 
     def shared_source(i):  # layer number of the full layer a chunk starting at layer i needs, if i is shared
         if 0 < i < len(types) and types[i] == "shared":
-            return index_source_layer(types, i) + 1
+            return config.dsa_index_source_layer(i) + 1
         return None
     return TopkLinks(receive=shared_source(offset), send=shared_source(offset + n))
 

@@ -50,17 +50,13 @@ from megatron_glm5.checkpoint.format import (
     read_latest,
     write_latest,
 )
+from megatron_glm5.config import ARCH_FIELDS  # model fields a checkpoint and the model must agree on
 from megatron_glm5.errors import UserError
 from megatron_glm5.training import fault_hooks
 from megatron_glm5.training.device import current_device
 from megatron_glm5.training.optim import ensure_optimizer_state
 
 log = logging.getLogger("megatron_glm5.checkpoint")
-# model fields that must match between a checkpoint and the model it is loaded into
-ARCH_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
-               "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size",
-               "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "index_n_heads", "index_head_dim",
-               "mlp_layer_types", "indexer_types")
 
 
 class CheckpointMismatch(CheckpointFormatError):
