@@ -19,12 +19,14 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = textwrap.dedent("""
     import tempfile, torch
     from megatron.core import parallel_state as ps
-    from megatron_glm5 import mcore_fixes, platform
+    from megatron_glm5 import platform
+    from megatron_glm5.mcore_patches import registry as mcore_patches
+    from megatron_glm5.mcore_patches.record import Phase
     from megatron_glm5.arguments import parse_args, validate_args
     from megatron_glm5.training import checkpointing, loop
     from megatron_glm5.training.optim import build_optimizer, build_scheduler
 
-    mcore_fixes.apply()
+    mcore_patches.apply_phase(Phase.TRAINING)
 
     def build(seed, save):
         args = parse_args(["--preset", "tiny", "--attn", "torch", "--seq-length", "32", "--micro-batch-size", "1",

@@ -150,13 +150,13 @@ def test_dsa_ops_over_gathered_keys_match_one_rank(packed):
 
 def test_cp_with_several_mtp_steps_is_refused_clearly():
     from megatron_glm5.config import GLM5Config
-    from megatron_glm5.model.context_parallel import setup_context_parallel
+    from megatron_glm5.model.context_parallel import check_context_parallel
 
     cfg = GLM5Config.from_preset("tiny")
     two_steps = cfg.to_transformer_config(context_parallel_size=2, mtp_num_layers=2, mtp_use_repeated_layer=True)
     with pytest.raises(ValueError, match=r"--cp 2 with --mtp-steps 2 .*--mtp-steps 1 or --cp 1"):
-        setup_context_parallel(two_steps)
-    setup_context_parallel(cfg.to_transformer_config(context_parallel_size=2, mtp_num_layers=None))
+        check_context_parallel(two_steps)
+    check_context_parallel(cfg.to_transformer_config(context_parallel_size=2, mtp_num_layers=None))
 
 
 # ---------------------------------------------------------------------------------------------------------------

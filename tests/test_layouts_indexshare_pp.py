@@ -87,7 +87,7 @@ def test_indexshare_across_pipeline_stages_matches_single_process(ffss_reference
 
 
 def _links(tcfg):
-    from megatron_glm5.model.spec import _chunks, topk_links
+    from megatron_glm5.model.pipeline_topk import _chunks, topk_links
 
     return {(r, vp): (lambda l: (l.receive, l.send))(topk_links(tcfg, vp, r)) for r, vp in _chunks(tcfg)}
 
@@ -95,7 +95,7 @@ def _links(tcfg):
 def test_which_chunk_sends_and_receives_which_top_k():
     """Layer numbers are megatron's (1-based): 0-based layer i stores its top-k under i + 1."""
     from megatron_glm5.config import GLM5Config
-    from megatron_glm5.model.spec import check_pipeline_split, needs_topk_transfer
+    from megatron_glm5.model.pipeline_topk import check_pipeline_split, needs_topk_transfer
 
     fsfs = GLM5Config.from_preset("tiny-indexshare")
     assert list(fsfs.indexer_types) == ["full", "shared", "full", "shared"]
@@ -129,7 +129,7 @@ def test_glm53_recipe_split_passes_and_passes_top_k_on():
     F F F S S S F S S S F ... (a full layer every 4 from layer 2): stage 2 starts on shared layer 39 (full layer
     38 on stage 1), stage 3 on shared layer 60 (full layer 58 on stage 2)."""
     from megatron_glm5.arguments import args_to_overrides, parse_args, validate_args
-    from megatron_glm5.model.spec import check_pipeline_split
+    from megatron_glm5.model.pipeline_topk import check_pipeline_split
 
     args = validate_args(parse_args(["--config", str(REPO / "examples/recipes/glm5.3_sft_32x8.yaml")]),
                          world_size=256, check_device=False)
@@ -146,7 +146,7 @@ def test_glm53_recipe_split_passes_and_passes_top_k_on():
 def test_combined_1f1b_schedule_is_still_refused():
     """megatron-core's combined 1F1B schedule (overlap_moe_expert_parallel_comm) runs the layers without
     TransformerBlock.forward, where the top-k is passed on: a split that needs it is refused when built."""
-    from megatron_glm5.model.spec import IndexShareAcrossStagesError, check_pipeline_split
+    from megatron_glm5.model.pipeline_topk import IndexShareAcrossStagesError, check_pipeline_split
 
     tcfg = _ffss_config().to_transformer_config(pipeline_model_parallel_size=2)
     tcfg.overlap_moe_expert_parallel_comm = True  # set after __post_init__, which wants TE / EP for it

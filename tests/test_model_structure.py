@@ -55,3 +55,14 @@ def test_mapping_covers_every_tensor_once(parallel, name):
     assert max(mc_counts.values()) == 1
     ours_keys = {k for k, v in ours.state_dict().items() if torch.is_tensor(v)}
     assert set(mc_counts) == ours_keys
+
+
+def test_building_logs_no_gpt_model_deprecation(parallel, caplog):
+    """GLM5Model is a GPTModel on purpose: megatron-core's "GPTModel IS DEPRECATED" warning is not shown (patch
+    gpt_model_deprecation_log; with MEGATRON_GLM5_DISABLE_SHIMS=gpt_model_deprecation_log this test fails)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="megatron.core.models.gpt.gpt_model"):
+        with torch.device("meta"):
+            build_model(GLM5Config.from_preset("tiny"), perform_initialization=False)
+    assert [r.getMessage() for r in caplog.records if "GPTModel IS DEPRECATED" in r.getMessage()] == []

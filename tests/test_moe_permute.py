@@ -130,7 +130,7 @@ def test_interp_tiny_moe_model_fused_equals_unfused(interp, dispatcher):
 
 def test_flag_resolution_and_errors(monkeypatch):
     from megatron_glm5.arguments import args_to_overrides, parse_args
-    from megatron_glm5.model.moe import MoEPermuteFusionUnavailable, moe_permute_fusion_enabled
+    from megatron_glm5.model.permute_fusion import MoEPermuteFusionUnavailable, moe_permute_fusion_enabled
     from test_arguments import fails, ok
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

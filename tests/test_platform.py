@@ -1,4 +1,5 @@
-"""Tests for megatron_glm5.platform: every shim is needed, and works.
+"""Tests for megatron_glm5.platform and the megatron-core patches it applies (the pre-import and CPU phases of
+megatron_glm5/mcore_patches/registry.py, "shims" below): every shim is needed, and works.
 
 Each shim is exercised on the real megatron-core code path in a separate process, twice:
 normally (must succeed with the right numbers) and with MEGATRON_GLM5_DISABLE_SHIMS=<shim>
@@ -20,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from megatron_glm5 import platform as P
+from megatron_glm5.mcore_patches import registry
+from megatron_glm5.mcore_patches.record import Phase
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -27,6 +30,9 @@ MAX_PROCS = 2  # concurrent forked children
 JOB_TIMEOUT_S = 120
 
 cpu_only = pytest.mark.skipif(P.HAS_CUDA, reason="the CPU shims are no-ops with CUDA")
+PRE_IMPORT_SHIMS = registry.names(Phase.PRE_IMPORT)
+CPU_SHIMS = registry.names(Phase.CPU)
+SHIMS = PRE_IMPORT_SHIMS + CPU_SHIMS
 
 # ---------------------------------------------------------------------------------------
 # The checks, run as `python -c CHECKS '<json spec>'` (see the end of the script).  Each
@@ -299,16 +305,17 @@ def check_tensor_type():
 def check_init():
     import torch
     from megatron_glm5 import platform as P
+    from megatron_glm5.mcore_patches import registry
     from megatron.core import parallel_state as ps
     res = {"sizes": list(setup().__dict__.values())}
     group = ps.get_tensor_model_parallel_group()
-    applied = list(P.APPLIED)
+    applied = list(registry.APPLIED)
     again = P.initialize_model_parallel(seed=1234)
     P.apply_pre_import_shims()
     P.apply_cpu_shims()
     res["same_group"] = ps.get_tensor_model_parallel_group() is group
     res["same_sizes"] = again == setup()
-    res["applied_stable"] = P.APPLIED == applied
+    res["applied_stable"] = registry.APPLIED == applied
     res["applied"] = applied
     try:
         P.initialize_model_parallel(ep=2)
@@ -455,12 +462,12 @@ SKIP_NEGATIVE = {
 
 def _env(disable=None):
     env = dict(os.environ)
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", P.DISABLE_ENV):
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", registry.DISABLE_ENV):
         env.pop(k, None)
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
     if disable:
-        env[P.DISABLE_ENV] = disable
+        env[registry.DISABLE_ENV] = disable
     return env
 
 
@@ -497,7 +504,7 @@ def runs():
     for shim, (check, *_rest) in NEGATIVE.items():
         if SKIP_NEGATIVE.get(shim):
             continue
-        if shim in P.PRE_IMPORT_SHIMS:
+        if shim in PRE_IMPORT_SHIMS:
             fresh["neg:" + shim] = _launch(dict(mode="fresh", job="neg:" + shim, checks=[check],
                                                 hide_triton=shim == "triton_free_paged_stash"), disable=shim)
         else:
@@ -538,20 +545,20 @@ def _value(runs, job, check, proc=0):
 
 
 def test_registry_order_and_phases():
-    assert list(P.SHIMS) == list(P.PRE_IMPORT_SHIMS) + list(P.CPU_SHIMS)
-    assert P.PRE_IMPORT_SHIMS == ("triton_free_paged_stash", "typing_override")
+    assert list(registry.PATCHES)[:len(SHIMS)] == list(PRE_IMPORT_SHIMS) + list(CPU_SHIMS)
+    assert PRE_IMPORT_SHIMS == ("triton_free_paged_stash", "typing_override")
     # every shim has a negative test, and every shim documents itself
-    assert set(NEGATIVE) == set(P.SHIMS)
-    for fn in P.SHIMS.values():  # each names the megatron-core file that needs it
+    assert set(NEGATIVE) == set(SHIMS)
+    for fn in (registry.PATCHES[name].apply for name in SHIMS):  # each names the megatron-core file that needs it
         assert fn.__doc__ and "megatron" in fn.__doc__ and ".py" in fn.__doc__, fn
 
 
 def test_disable_env_rejects_unknown_names(monkeypatch):
-    monkeypatch.setenv(P.DISABLE_ENV, "cuda_streams, typo_shim")
+    monkeypatch.setenv(registry.DISABLE_ENV, "cuda_streams, typo_shim")
     with pytest.raises(ValueError, match="typo_shim"):
-        P.disabled_shims()
-    monkeypatch.setenv(P.DISABLE_ENV, " cuda_streams ,clip_grad_cpu,")
-    assert P.disabled_shims() == {"cuda_streams", "clip_grad_cpu"}
+        registry.disabled()
+    monkeypatch.setenv(registry.DISABLE_ENV, " cuda_streams ,clip_grad_cpu,")
+    assert registry.disabled() == {"cuda_streams", "clip_grad_cpu"}
 
 
 def test_no_megatron_import_and_cpu_shims_noop_with_cuda():
@@ -563,15 +570,15 @@ def test_no_megatron_import_and_cpu_shims_noop_with_cuda():
         "current_device = torch.cuda.current_device\n"
         "from megatron_glm5 import platform as P\n"
         "core = 'megatron.core' in sys.modules\n"
-        "P.apply_cpu_shims()\n"
-        "print(json.dumps([core, 'megatron.core' in sys.modules, P.HAS_CUDA, P.APPLIED,\n"
+        "applied = P.apply_cpu_shims()\n"
+        "print(json.dumps([core, 'megatron.core' in sys.modules, P.HAS_CUDA, applied,\n"
         "                  torch.cuda.current_device is current_device]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(),
                          capture_output=True, text=True, check=True)
     core_at_import, core_after, has_cuda, applied, untouched = json.loads(out.stdout)
     assert (core_at_import, core_after, has_cuda, untouched) == (False, False, True, True)
-    assert set(applied) <= set(P.PRE_IMPORT_SHIMS)
+    assert set(applied) <= set(PRE_IMPORT_SHIMS)
 
 
 @pytest.mark.parametrize(
@@ -699,7 +706,7 @@ def test_initialize_model_parallel_single_process(runs):
     v = _value(runs, "positive", "init")
     assert v["sizes"] == [1, 1, 1, 1, 1, None, 1, 1]
     assert v["same_group"] and v["same_sizes"] and v["applied_stable"]
-    expected = [s for s in P.SHIMS if not (s == "triton_free_paged_stash" and HAS_TRITON)
+    expected = [s for s in SHIMS if not (s == "triton_free_paged_stash" and HAS_TRITON)
                 and not (s == "typing_override" and sys.version_info >= (3, 12))]
     assert v["applied"] == expected
     assert v["invalid"] == "--ep 2 does not divide world size 1"

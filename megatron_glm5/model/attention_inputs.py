@@ -35,7 +35,7 @@ class AttentionInputs:
     key_start: torch.Tensor  # [T] int64
     query_end: torch.Tensor  # [T] int64
     max_window: int  # the longest window (keys of one query); computed once per forward, not per layer
-    # IndexShare: megatron layer_number of a full-indexer layer -> its top-k indices [T, topk] (int32, -1 unused)
+    # IndexShare: megatron layer_number of a full-indexer layer -> its top-k indices [T, topk_width] (TOPK_DTYPE)
     topk_store: dict = field(default_factory=dict)
     # MTP: which application of the (repeated) MTP layer this is; the counter is shared by the per-step copies
     mtp_step: int = 0
@@ -47,6 +47,11 @@ class AttentionInputs:
     @property
     def num_tokens(self) -> int:
         return self.key_start.numel()
+
+    def topk_width(self, index_topk: int) -> int:
+        """Columns of this forward's top-k indices: ``index_topk`` (--dsa-index-topk), or fewer when no query has
+        that many keys. The same on every rank and pipeline stage of a micro-batch (``max_window`` is global)."""
+        return min(index_topk, self.max_window)
 
     def gather_keys(self, t: torch.Tensor) -> torch.Tensor:
         """A per-token key tensor of this rank [s, b, ...] -> the token-flattened key rows [b * S, ...] of the

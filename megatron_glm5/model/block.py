@@ -45,10 +45,8 @@ class GLM5TransformerBlock(TransformerBlock):
     def _topk_links(self):
         links = self.__dict__.get("_glm5_topk_links")
         if links is None:
-            from megatron_glm5.model.spec import topk_links  # spec imports this module
-
             pp = getattr(self.pg_collection, "pp", None)
-            links = topk_links(self.config, self.vp_stage, get_pg_rank(pp) if pp is not None else None)
+            links = pipeline_topk.topk_links(self.config, self.vp_stage, get_pg_rank(pp) if pp is not None else None)
             self.__dict__["_glm5_topk_links"] = links
         return links
 

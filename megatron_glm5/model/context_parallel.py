@@ -14,8 +14,9 @@ global positions) — are all-gathered over the CP group and put back into globa
 top-k indices and IndexShare's stored indices are rows of that global key tensor. The gather's backward
 reduce-scatters: each rank gets its own rows of the gradient summed over all ranks' queries.
 
-MTP: ``setup_context_parallel`` replaces megatron-core's MTP token roll by one that shifts the gathered global
-sequence and keeps MTP's per-token loss scale global (see ``_mtp_roll_tensor``).
+MTP: for --cp > 1 build_model replaces megatron-core's MTP token roll by one that shifts the gathered global
+sequence (``roll_left``) and keeps MTP's per-token loss scale global (patch ``mtp_roll_tensor_cp``,
+mcore_patches/mtp_roll.py).
 
 Pure index arithmetic lives here (testable without processes); ``AttentionInputs`` holds the per-forward
 result and ``training/data.py`` slices the batches.
@@ -104,40 +105,11 @@ def roll_left(t: torch.Tensor, group, cu_seqlens=None):
     return rolled.index_select(-1, local_positions(seq, cp, rank, device=full.device)), full, rolled
 
 
-_MCORE_ROLL = None
-
-
-def _mtp_roll_tensor(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
-    """megatron-core's ``multi_token_prediction.roll_tensor`` with an exact context-parallel path.
-
-    megatron-core 0.19.2's own CP roll is right for unpacked rows but assumes per-document CP splitting for
-    packed ones, and ``process_mtp_loss`` scales the per-token MTP loss by original / rolled token count of the
-    local tokens only. Here the roll is done on the gathered global sequence, and the count returned (which
-    megatron-core uses only as that rolled token count) is the local count times the global rolled / original
-    ratio, so that its original / rolled factor is the global one, as in a one-rank run. (A rank whose own loss
-    mask is all zero still drops the at most 2 rolled-in targets at its chunk ends: megatron-core multiplies
-    by its original count, 0. Per-token loss only: training always uses it.)"""
-    if tensor is None or cp_group is None or cp_group.size() == 1:
-        return _MCORE_ROLL(tensor, shifts=shifts, dims=dims, cp_group=cp_group, packed_seq_params=packed_seq_params)
-    if shifts != -1 or dims not in (-1, tensor.dim() - 1):
-        raise NotImplementedError("context-parallel MTP roll: only a one-token left shift of the last dimension")
-    cu = packed_seq_params.cu_seqlens_q if packed_seq_params is not None else None
-    local, full, rolled = roll_left(tensor, cp_group, cu)
-    count = tensor.sum() * (rolled.sum() / full.sum().clamp(min=1))
-    return local, count
-
-
-def setup_context_parallel(tcfg) -> None:
-    """Prepare megatron-core for --cp > 1 (MTP's token roll) and refuse what is not supported, naming the flags."""
-    global _MCORE_ROLL
+def check_context_parallel(tcfg) -> None:
+    """Refuse what context parallelism does not handle, naming the flags."""
     if tcfg.context_parallel_size == 1 or not tcfg.mtp_num_layers:
         return
     if tcfg.mtp_num_layers > 1:
         raise ContextParallelUnsupported(
             f"--cp {tcfg.context_parallel_size} with --mtp-steps {tcfg.mtp_num_layers} (MTP layers/steps): the MTP "
             "loss scale is exact under context parallelism for one MTP step only; use --mtp-steps 1 or --cp 1")
-    from megatron.core.transformer import multi_token_prediction as mtp
-
-    if mtp.roll_tensor is not _mtp_roll_tensor:
-        _MCORE_ROLL = mtp.roll_tensor
-        mtp.roll_tensor = _mtp_roll_tensor

@@ -20,11 +20,11 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from megatron_glm5.config import DSA_STAGES
 from megatron_glm5.model.params import param_device
 from megatron_glm5.model.rope import apply_interleaved_rope
 from megatron_glm5.ops import get_backend
 
+DSA_STAGES = ("dense-warmup", "sparse")
 MTP_STORE_KEY = "mtp"  # where the MTP layer's indexer leaves its top-k
 
 
@@ -115,7 +115,7 @@ class GLM5SparseAttention(MegatronModule):
         cfg = self.config
         sparse = cfg.dsa_stage == "sparse"
         with_loss = self._indexer_loss_enabled()
-        topk = min(cfg.dsa_index_topk, inputs.max_window)
+        topk = inputs.topk_width(cfg.dsa_index_topk)
 
         indices = None
         if (self.indexer is not None and cfg.dsa_mtp_indexer_shared and self.store_key == MTP_STORE_KEY

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from megatron_glm5.errors import UserError
+from megatron_glm5.model.permute_fusion import moe_permute_fusion_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +237,6 @@ class HierarchicalTokenDispatcher(MoETokenDispatcher):
         self.intra_group, self.inter_group = groups.intra, groups.inter
         assert self.node_ranks * self.num_nodes == self.ep_size
         assert self.num_experts == self.ep_size * num_local_experts
-        from megatron_glm5.model.moe import moe_permute_fusion_enabled  # (moe.py imports this module)
-
         self.fused = moe_permute_fusion_enabled(getattr(config, "moe_triton_permute_fusion", None))
 
     def _gather(self, x: torch.Tensor, routing: torch.Tensor, probs: Optional[torch.Tensor] = None, pairs=None):

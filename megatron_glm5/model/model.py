@@ -6,35 +6,26 @@ store) that every GLM-5 attention layer of this forward — MTP included — rea
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 
+from megatron_glm5.mcore_patches import registry as mcore_patches
+from megatron_glm5.mcore_patches.record import Phase
 from megatron_glm5.model.attention_inputs import build_attention_inputs
-from megatron_glm5.model.block import GLM5TransformerBlock
-from megatron_glm5.model.context_parallel import default_position_ids, setup_context_parallel
+from megatron_glm5.model.context_parallel import check_context_parallel, default_position_ids
 from megatron_glm5.model.hybridep_dispatcher import hybridep_backend, setup_hybridep_groups
 from megatron_glm5.model import pipeline_topk
-from megatron_glm5.model.spec import check_pipeline_split, decoder_block_spec, mtp_block_spec, needs_topk_transfer
-
-
-class _DropGPTModelDeprecation(logging.Filter):
-    def filter(self, record):
-        return "GPTModel IS DEPRECATED" not in record.getMessage()
-
-
-logging.getLogger("megatron.core.models.gpt.gpt_model").addFilter(_DropGPTModelDeprecation())
+from megatron_glm5.model.spec import decoder_block_spec, mtp_block_spec
 
 
 class GLM5Model(GPTModel):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # GPTModel instantiates megatron-core's TransformerBlock itself; GLM-5's subclass only overrides forward
-        # (recomputation with the AttentionInputs object, model/block.py), so the built block is re-classed.
-        self.decoder.__class__ = GLM5TransformerBlock
+        # GPTModel builds megatron-core's TransformerBlock itself: re-classed to GLM-5's (model/block.py)
+        mcore_patches.apply("glm5_transformer_block", self)
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, *args, **kwargs):
         """GPTModel.forward; ``position_ids`` default to 0..s-1 (under context parallelism: the global positions of
@@ -93,10 +84,12 @@ def build_model(config, *, pre_process: Optional[bool] = None, post_process: Opt
             raise TypeError("overrides are only accepted with a GLM5Config")
         tcfg = config
     _check_selective_recompute(tcfg)
-    check_pipeline_split(tcfg)
-    if needs_topk_transfer(tcfg):  # collective: every rank builds the same layout
+    pipeline_topk.check_pipeline_split(tcfg)
+    if pipeline_topk.needs_topk_transfer(tcfg):  # collective: every rank builds the same layout
         pipeline_topk.setup_groups()
-    setup_context_parallel(tcfg)
+    check_context_parallel(tcfg)
+    mcore_patches.apply_phase(Phase.BUILD)
+    mcore_patches.apply("mtp_roll_tensor_cp", tcfg)  # MTP's token roll, exact under --cp > 1
     if tcfg.moe_token_dispatcher_type == "hybridep" and hybridep_backend() == "torch":
         setup_hybridep_groups(tcfg)  # collective: every rank creates the intra-/inter-node groups
     if pre_process is None:

@@ -12,9 +12,10 @@ hierarchical dispatcher of model/hybridep_dispatcher.py.
 
 ``--moe-permute-fusion`` (on by default with CUDA and triton): the alltoall / allgather dispatchers run
 megatron-core's own methods with ``permute`` / ``unpermute`` resolved to our Triton kernels
-(ops/triton_moe_permute.py: one gather kernel, one deterministic per-token sum); see
-:func:`fused_permute_dispatcher`; the hierarchical dispatcher (``--dispatcher hybridep`` without DeepEP) uses the
-same kernels for its two gathers and two sums. The flex (DeepEP) dispatcher has its own.
+(ops/triton_moe_permute.py: one gather kernel, one deterministic per-token sum), the megatron-core patch
+``moe_fused_permute`` (mcore_patches/moe_fused_permute.py; the flag itself: model/permute_fusion.py); the
+hierarchical dispatcher (``--dispatcher hybridep`` without DeepEP) uses the same kernels for its two gathers and
+two sums. The flex (DeepEP) dispatcher has its own.
 
 Experts: all local experts' weights stacked in two tensors (HF layout: gate rows then up rows), applied with
 torch's grouped GEMM (``torch.nn.functional.grouped_mm``); a per-expert loop where grouped_mm is unavailable.
@@ -23,11 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import logging
-import os
-import types
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,11 +33,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 
-from megatron_glm5.errors import UserError
+from megatron_glm5.mcore_patches import registry as mcore_patches
+from megatron_glm5.mcore_patches.moe_fused_permute import permutes_with_moe_utils
 from megatron_glm5.model.hybridep_dispatcher import HierarchicalTokenDispatcher, hybridep_backend
 from megatron_glm5.model.params import param_device
+from megatron_glm5.model.permute_fusion import moe_permute_fusion_enabled
 
 
 def glm5_topk_routing(logits, expert_bias, topk: int, n_group: int, topk_group: int, norm_topk_prob: bool,
@@ -186,47 +184,6 @@ class GLM5GroupedExperts(MegatronModule):
         return out
 
 
-class MoEPermuteFusionUnavailable(UserError, ValueError):
-    """--moe-permute-fusion asked for where its Triton kernels cannot run."""
-
-
-def moe_permute_fusion_enabled(requested: Optional[bool]) -> bool:
-    """--moe-permute-fusion: None (default) -> on when CUDA and triton are available; True needs them (or
-    Triton's CPU interpreter, TRITON_INTERPRET=1, as in the tests)."""
-    has_triton = importlib.util.find_spec("triton") is not None
-    if requested is None:
-        return has_triton and torch.cuda.is_available()
-    if requested and not (has_triton and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")):
-        raise MoEPermuteFusionUnavailable(
-            "--moe-permute-fusion needs triton and a CUDA GPU" + ("" if has_triton else " (triton is not installed)")
-            + "; use --no-moe-permute-fusion")
-    return bool(requested)
-
-
-# megatron-core dispatcher -> its methods that call moe_utils' permute / unpermute (0.19.2)
-_PERMUTING_METHODS = {
-    MoEAlltoAllTokenDispatcher: ("dispatch_preprocess", "combine_postprocess"),
-    MoEAllGatherTokenDispatcher: ("dispatch_postprocess", "combine_preprocess"),
-}
-
-
-def _with_fused_permute(method):
-    """A copy of a megatron-core dispatcher method whose module-level ``permute`` / ``unpermute`` are ours.
-
-    megatron-core calls them as module globals of token_dispatcher.py; rebinding the method's globals (not the
-    module's) keeps every step of megatron's own method -- metadata, syncs, shared-expert overlap -- and changes
-    only this layer's dispatcher, nothing for other users of megatron-core."""
-    from megatron_glm5.ops import triton_moe_permute as fused
-
-    if not {"permute", "unpermute"} & set(method.__code__.co_names):
-        raise RuntimeError(f"megatron-core's {method.__qualname__} no longer calls permute/unpermute; "
-                           "--moe-permute-fusion needs updating for this megatron-core version")
-    scope = dict(method.__globals__, permute=fused.permute, unpermute=fused.unpermute)
-    copy_ = types.FunctionType(method.__code__, scope, method.__name__, method.__defaults__, method.__closure__)
-    copy_.__kwdefaults__, copy_.__doc__, copy_.__qualname__ = method.__kwdefaults__, method.__doc__, method.__qualname__
-    return copy_
-
-
 logger = logging.getLogger("megatron_glm5.model")
 
 
@@ -238,18 +195,12 @@ def _log_permute_choice(dispatcher: str, fused: bool) -> None:
                 else "megatron-core's unfused ops (--no-moe-permute-fusion, or no CUDA GPU / triton)")
 
 
-@functools.lru_cache(maxsize=None)
-def fused_permute_dispatcher(base: type) -> type:
-    """The subclass of a megatron-core dispatcher (alltoall or allgather) that permutes with our kernels."""
-    methods = {name: _with_fused_permute(getattr(base, name)) for name in _PERMUTING_METHODS[base]}
-    return type(f"FusedPermute{base.__name__}", (base,), {"__module__": __name__, **methods})
-
-
 class GLM5MoELayer(MoELayer):
     """megatron-core's MoELayer; with ``moe_token_dispatcher_type == "hybridep"`` the layer runs on a copy of
     the config that names what it really uses: ``flex`` + ``moe_flex_dispatcher_backend="hybridep"`` (DeepEP)
     or ``alltoall`` with the dispatcher replaced by :class:`HierarchicalTokenDispatcher` (same interface).
-    With --moe-permute-fusion an alltoall / allgather dispatcher becomes :func:`fused_permute_dispatcher`'s."""
+    With --moe-permute-fusion an alltoall / allgather dispatcher becomes a subclass that permutes with our kernels
+    (patch ``moe_fused_permute``, mcore_patches/moe_fused_permute.py)."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None, is_mtp_layer=False,
                  name=None):
@@ -266,13 +217,8 @@ class GLM5MoELayer(MoELayer):
             self.token_dispatcher = HierarchicalTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config=self.config, pg_collection=pg_collection)
             _log_permute_choice("hybridep (hierarchical)", self.token_dispatcher.fused)
-        base = type(self.token_dispatcher)
-        if base in _PERMUTING_METHODS:
+        if permutes_with_moe_utils(type(self.token_dispatcher)):
             fused = moe_permute_fusion_enabled(getattr(self.config, "moe_triton_permute_fusion", None))
             _log_permute_choice(self.config.moe_token_dispatcher_type, fused)
             if fused:
-                self.token_dispatcher = fused_permute_dispatcher(base)(
-                    self.num_local_experts, self.local_expert_indices, config=self.config,
-                    pg_collection=pg_collection)
-                if self.shared_expert_overlap:
-                    self.token_dispatcher.set_shared_experts(self.shared_experts)
+                mcore_patches.apply("moe_fused_permute", self, pg_collection)

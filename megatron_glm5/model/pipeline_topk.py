@@ -4,7 +4,7 @@ A "shared" DSA layer reuses the top-k of the nearest earlier "full" layer (``Att
 pipeline stage (or virtual stage) begins with a shared layer, that full layer ran on the previous stage, so the
 previous stage sends its top-k ``[T, k]`` (``TOPK_DTYPE``, no gradient) alongside the activations and this stage
 receives it into the store of its own forward before its first layer runs. Which chunk sends or receives which
-layer's top-k is decided from the layout alone (``spec.topk_links``); ``GLM5TransformerBlock.forward`` calls
+layer's top-k is decided from the layout alone (:func:`topk_links`); ``GLM5TransformerBlock.forward`` calls
 :func:`receive` before its layers and :func:`send` after them, once per forward (activation recomputation
 replays the layers against the same store and communicates nothing).
 
@@ -42,9 +42,91 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-# The dtype of the indexer's top-k (ops/reference.py indexer_topk: int32 rows, -1 for unused slots); every sender
-# casts to it, so the receiver can allocate its buffer without seeing the sender's tensor.
-TOPK_DTYPE = torch.int32
+from megatron_glm5.errors import UserError
+from megatron_glm5.topk_indices import TOPK_DTYPE  # senders cast to it: the receiver allocates it unseen
+
+# ---------------------------------------------------------------------------------------------------------------
+# Layout: which chunk receives and sends which top-k (no communication)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class IndexShareAcrossStagesError(UserError, NotImplementedError):
+    """A layout needs IndexShare top-k across pipeline stages where it cannot be passed on."""
+
+
+@dataclass(frozen=True)
+class TopkLinks:
+    """IndexShare across a pipeline boundary, for one model chunk (megatron layer numbers, 1-based, or None).
+
+    ``receive``: the full layer whose top-k this chunk gets from the previous stage (its first layer is shared);
+    ``send``: the full layer whose top-k it hands to the next stage (the next chunk's first layer is shared),
+    computed here or, when this chunk has no full layer, the one it received. See the module docstring.
+    """
+    receive: Optional[int] = None
+    send: Optional[int] = None
+
+
+def stage_layers(config, vp_stage, pp_rank) -> tuple[int, int]:
+    """(offset, count): the main decoder layers of chunk (pp_rank, vp_stage), as megatron-core splits them."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return (get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank),
+            get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+
+
+def topk_links(config, vp_stage=None, pp_rank=None) -> TopkLinks:
+    """Which top-k the chunk (pp_rank, vp_stage) receives and sends. Only the sparse DSA stage selects keys: in
+    dense-warmup nothing flows. Chunks follow megatron-core's order (chunk c of rank r feeds chunk c of rank r + 1,
+    chunk c of the last rank feeds chunk c + 1 of rank 0), so a boundary is where this chunk starts or ends."""
+    if config.pipeline_model_parallel_size == 1 or config.dsa_stage != "sparse":
+        return TopkLinks()
+    types = config.dsa_indexer_types
+    offset, n = stage_layers(config, vp_stage, pp_rank)
+
+    def shared_source(i):  # layer number of the full layer a chunk starting at layer i needs, if i is shared
+        if 0 < i < len(types) and types[i] == "shared":
+            return config.dsa_index_source_layer(i) + 1
+        return None
+    return TopkLinks(receive=shared_source(offset), send=shared_source(offset + n))
+
+
+def _chunks(config):
+    vpp = config.virtual_pipeline_model_parallel_size
+    for pp_rank in range(config.pipeline_model_parallel_size):
+        for vp_stage in (range(vpp) if vpp else [None]):
+            yield pp_rank, vp_stage
+
+
+def needs_topk_transfer(config) -> bool:
+    """Whether some chunk of the layout receives IndexShare top-k from the previous pipeline stage."""
+    return any(topk_links(config, vp, r).receive is not None for r, vp in _chunks(config))
+
+
+def check_pipeline_split(config) -> None:
+    """Check every (pipeline stage, virtual stage) of the layout, so that every rank reports the same error (a rank
+    checking only its own stage would leave the others hanging in a collective).
+
+    A stage may start on an IndexShare layer: the top-k of its full layer comes from the previous stage
+    (this module), through GLM5TransformerBlock.forward. Still refused: megatron-core's combined
+    1F1B schedule (``overlap_moe_expert_parallel_comm``), which runs the layers without the block's forward.
+    """
+    for pp_rank, vp_stage in _chunks(config):
+        links = topk_links(config, vp_stage, pp_rank)
+        if links.receive is None or not getattr(config, "overlap_moe_expert_parallel_comm", False):
+            continue
+        offset, _ = stage_layers(config, vp_stage, pp_rank)
+        where = f"pipeline stage {pp_rank}" + (f" (virtual stage {vp_stage})" if vp_stage is not None else "")
+        raise IndexShareAcrossStagesError(
+            f"{where} starts on layer {offset} (0-based), an IndexShare ('shared') layer that needs the top-k "
+            f"of full layer {links.receive - 1} from the previous stage; overlap_moe_expert_parallel_comm runs "
+            "the layers without GLM5TransformerBlock.forward, which passes it on: turn that overlap off or split "
+            "the layers so that every stage starts with a 'full' indexer layer")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Communication
+# ---------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -130,11 +212,11 @@ def send(inputs, key) -> None:
 def receive(inputs, key, index_topk: int) -> None:
     """Receive the top-k of full layer ``key`` from the previous pipeline stage into this forward's store.
 
-    Its shape comes from this forward's own inputs: [T, min(index_topk, max_window)], as GLM5SparseAttention
+    Its shape comes from this forward's own inputs: [T, inputs.topk_width(index_topk)], as GLM5SparseAttention
     computes it on the sending stage for the same micro-batch.
     """
     links = _links()
-    topk = torch.empty(inputs.num_tokens, min(index_topk, inputs.max_window), dtype=TOPK_DTYPE,
+    topk = torch.empty(inputs.num_tokens, inputs.topk_width(index_topk), dtype=TOPK_DTYPE,
                        device=inputs.key_start.device)
     dist.recv(topk, src=links.recv_src, group=links.recv_group)
     inputs.topk_store[key] = topk

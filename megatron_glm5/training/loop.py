@@ -196,9 +196,10 @@ def _train(args) -> int:
     from megatron_glm5.training.data import build_streams
     from megatron_glm5.training.optim import build_optimizer, build_scheduler
 
-    from megatron_glm5 import mcore_fixes
+    from megatron_glm5.mcore_patches import registry as mcore_patches
+    from megatron_glm5.mcore_patches.record import Phase
 
-    mcore_fixes.apply()
+    mcore_patches.apply_phase(Phase.TRAINING)
     start_time = time.time()
     exit_signal = _ExitSignal(args.exit_signal)
     platform.initialize_model_parallel(

@@ -1,15 +1,13 @@
-"""Fixes for megatron-core 0.19.2 bugs that hit GLM-5 training on any device (CPU-only shims live in platform.py).
-
-Each fix is a small, named function with the megatron-core site and the failure it prevents; ``apply()`` is
-idempotent and is called by the training loop.
-"""
+"""Patch of megatron-core's distributed optimizer: resuming its state with torch's Adam (no TE / Apex)."""
 from __future__ import annotations
 
-APPLIED: list[str] = []
+import torch
+
+from megatron_glm5.mcore_patches.record import Patch, Phase
 
 
-def _distributed_optimizer_resume_without_te() -> None:
-    """optimizer/distrib_optimizer.py, DistributedOptimizer.load_state_dict (torch Adam, i.e. without TE/Apex).
+def _distributed_optimizer_resume_without_te() -> bool:
+    """megatron/core/optimizer/distrib_optimizer.py, DistributedOptimizer.load_state_dict (torch Adam: no TE/Apex).
 
     Two bugs when resuming with --use-distributed-optimizer:
     1. load_state_dict sets each parameter's ``step`` from the checkpoint, then copies every *tensor* of the
@@ -24,14 +22,14 @@ def _distributed_optimizer_resume_without_te() -> None:
 
     original = DistributedOptimizer._set_main_param_and_optimizer_states
     if getattr(original, "_glm5_fixed", False):
-        return
+        return False
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
         if "step" not in tensors:
             group_index, group_order = self.model_param_group_index_map[model_param]
             main_param = self.optimizer.param_groups[group_index]["params"][group_order]
             state = self.optimizer.state.get(main_param, {})
-            if torch_is_tensor(state.get("step")):
+            if isinstance(state.get("step"), torch.Tensor):
                 tensors = dict(tensors, step=state["step"])  # copy onto itself: unchanged
         return original(self, model_param, tensors)
 
@@ -40,21 +38,22 @@ def _distributed_optimizer_resume_without_te() -> None:
     def load_state_dict(self, state_dict):
         result = original_load(self, state_dict)
         for state in self.optimizer.state.values():
-            if torch_is_tensor(state.get("step")):
+            if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].detach().clone()
         return result
 
     _set_main_param_and_optimizer_states._glm5_fixed = True
     DistributedOptimizer._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
     DistributedOptimizer.load_state_dict = load_state_dict
-    APPLIED.append("distributed_optimizer_resume_without_te")
+    return True
 
 
-def torch_is_tensor(x) -> bool:
-    import torch
-    return isinstance(x, torch.Tensor)
-
-
-def apply() -> list[str]:
-    _distributed_optimizer_resume_without_te()
-    return APPLIED
+PATCHES = (
+    Patch(
+        name="distributed_optimizer_resume_without_te",
+        site="megatron/core/optimizer/distrib_optimizer.py DistributedOptimizer.load_state_dict",
+        why="resuming the distributed optimizer with torch's Adam raises KeyError 'step', then shares one step "
+            "counter between all parameters",
+        test="tests/test_training_cpu.py::test_resume_is_bitwise[pretrain]",
+        phase=Phase.TRAINING, apply=_distributed_optimizer_resume_without_te),
+)

@@ -1,0 +1,1 @@
+"""The patches of megatron-core, one record each (see registry.py). Importing the package imports nothing."""
