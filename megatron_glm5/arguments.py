@@ -13,13 +13,17 @@ With no flags at all the defaults are a complete tiny CPU run (tiny preset, the 
 ``--config FILE.yaml`` is a mapping whose keys are flags in any spelling (``tensor-model-parallel-size``,
 ``tensor_model_parallel_size`` or ``tp``); its values become defaults, so flags given on the command line win.
 
-:func:`validate_args` sets these derived fields: ``world_size``, ``data_parallel_size``,
-``expert_data_parallel_size``, ``num_microbatches``, ``params_dtype`` (a torch dtype), ``model_config`` (the
-:class:`~megatron_glm5.config.GLM5Config`), ``data_blend`` / ``valid_data_blend`` ((paths, weights or None)),
-``split_fractions``, and resolves ``sequence_parallel``, ``bf16``, ``mtp``, ``expert_tensor_parallel_size``,
+:func:`validate_args` checks the flags in sections (precision, model, parallel layout, hybridep node size,
+batch, DSA, MoE, optimizer and schedule, recompute, data, checkpoints and logging), each a small ``_check_*``
+function returning its share of one frozen :class:`DerivedArgs` record, and writes that record's fields onto the
+namespace: ``world_size``, ``data_parallel_size``, ``expert_data_parallel_size``, ``num_microbatches``,
+``params_dtype`` (a torch dtype), ``model_config`` (the :class:`~megatron_glm5.config.GLM5Config`),
+``data_blend`` / ``valid_data_blend`` ((paths, weights or None)), ``split_fractions``, and the resolved
+``sequence_parallel``, ``bf16``, ``mtp``, ``expert_tensor_parallel_size``, ``virtual_pipeline_model_parallel_size``,
 ``moe_router_load_balancing_type``, ``lr_warmup_iters``, ``lr_decay_iters``, ``lr_wsd_decay_iters``,
 ``recompute_method`` / ``recompute_num_layers``, ``global_batch_size``, ``node_size``, ``tensorboard_dir`` and
-``peak_tflops``.
+``peak_tflops``.  A default that follows from the flags alone is written once, in :func:`_flag_defaults`, which
+:func:`args_to_overrides` reads too.
 
 This module must stay cheap to import: it does not import megatron.core (``--help`` is instant) and imports torch
 only inside :func:`validate_args` / :func:`args_to_overrides`.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import functools
 import logging
@@ -38,6 +43,7 @@ import shlex
 import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from megatron_glm5.config import DSA_STAGES, PRESETS  # stdlib-only module: cheap to import
 from megatron_glm5.errors import UserError
 
 __all__ = [
@@ -62,7 +68,6 @@ logger = logging.getLogger("megatron_glm5.arguments")
 
 MODES = ("finetune", "pretrain")
 from megatron_glm5.ops.registry import ATTN_CHOICES as ATTN_BACKENDS  # noqa: E402  "auto" + the registry's names
-DSA_STAGES = ("dense-warmup", "sparse")
 DISPATCHERS = ("alltoall", "allgather", "hybridep")
 LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss")
 LR_DECAY_STYLES = ("cosine", "linear", "constant", "WSD")
@@ -182,12 +187,6 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return help_text + " (default: %(default)s)"
 
 
-def _presets() -> Tuple[str, ...]:
-    from megatron_glm5.config import PRESETS  # stdlib-only module; cheap
-
-    return PRESETS
-
-
 def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
     """The argparse parser of ``<mode>_glm5.py`` (``mode`` is "finetune" or "pretrain")."""
     if mode not in MODES:
@@ -207,7 +206,7 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
 
     g = p.add_argument_group("model")
     g.add_argument("--preset", default="tiny", metavar="NAME",
-                   help=f"model preset: {', '.join(_presets())} (default: tiny)")
+                   help=f"model preset: {', '.join(PRESETS)} (default: tiny)")
     g.add_argument("--hf-config", default=None, metavar="PATH",
                    help="a GlmMoeDsa config.json or a directory holding one; overrides --preset")
     g.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
@@ -721,28 +720,71 @@ def _check_pipeline_layout(args: argparse.Namespace, num_layers: int, pp: int, v
     return True
 
 
-def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
-                  check_device: bool = True) -> argparse.Namespace:
-    """Check ``args`` for ``world_size`` ranks (default ``$WORLD_SIZE`` or 1) and fill the derived fields.
+# The derived values, and the sections that compute them ------------------------------------------------------
 
-    Raises :class:`ArgumentError` with one message naming the flag(s) at the first mistake.  ``check_device=False``
-    skips the checks that need the local hardware (``--bf16`` / GPU-only ``--attn`` without CUDA), to validate a
-    recipe for a cluster from a laptop.  Returns ``args`` (changed in place).  Idempotent.
+
+@dataclasses.dataclass(frozen=True)
+class DerivedArgs:
+    """Every value :func:`validate_args` derives from the flags, computed once by the section checks below.
+
+    :func:`validate_args` writes each field onto the namespace under its own name (``args.num_microbatches``...),
+    where the trainer and :func:`args_to_overrides` read it.  ``world_size`` ... ``split_fractions`` are new
+    attributes; the others replace a flag's unresolved value (None, "auto") with the resolved one.
     """
+
+    world_size: int
+    bf16: bool
+    params_dtype: Any  # torch.bfloat16 or torch.float32
+    model_config: Any  # megatron_glm5.config.GLM5Config
+    mtp: bool
+    expert_tensor_parallel_size: int
+    virtual_pipeline_model_parallel_size: Optional[int]
+    data_parallel_size: int
+    expert_data_parallel_size: int
+    sequence_parallel: bool
+    node_size: int
+    global_batch_size: int
+    num_microbatches: int
+    moe_router_load_balancing_type: str
+    lr_decay_iters: int
+    lr_warmup_iters: int
+    lr_wsd_decay_iters: Optional[int]
+    recompute_method: Optional[str]
+    recompute_num_layers: Optional[int]
+    data_blend: Optional[Tuple[List[str], Optional[List[float]]]]
+    valid_data_blend: Optional[Tuple[List[str], Optional[List[float]]]]
+    split_fractions: Tuple[float, float, float]
+    tensorboard_dir: Optional[str]
+    peak_tflops: Optional[float]
+
+
+def _flag_defaults(args: argparse.Namespace) -> Dict[str, Any]:
+    """The derived values that follow from the flags alone (no world size, hardware or model config): each rule
+    is written here once.  The sections below start from these and check the flags; :func:`args_to_overrides`
+    reads them too, so that an unvalidated namespace gets the same documented defaults (on a validated one they
+    are the values already there)."""
+    tp = args.tensor_model_parallel_size
+    sp = args.sequence_parallel
+    vpp = args.virtual_pipeline_model_parallel_size
+    full = args.recompute_granularity == "full"
+    return dict(
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size or 1,
+        virtual_pipeline_model_parallel_size=None if vpp == 1 else vpp,
+        sequence_parallel=tp > 1 if sp is None else bool(sp and tp > 1),  # on with --tp > 1; needs it
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type
+        or ("seq_aux_loss" if args.moe_aux_loss_coeff > 0 else "none"),
+        recompute_method=(args.recompute_method or "uniform") if full else args.recompute_method,
+        recompute_num_layers=(args.recompute_num_layers or 1) if full else args.recompute_num_layers,
+    )
+
+
+def _check_precision(args: argparse.Namespace, cuda: bool, check_device: bool) -> Dict[str, Any]:
     import torch
 
-    from megatron_glm5.config import ConfigError
-
-    world = _resolve_world_size(world_size)
-    args.world_size = world
-    cuda = _cuda_available()
-
-    # ---- precision
     if getattr(args, "fp16", False):
         raise ArgumentError("--fp16 is not supported: GLM-5 trains in bf16 (use --bf16 on a GPU)", flag="--fp16")
-    if args.bf16 is None:
-        args.bf16 = cuda
-    if args.bf16 and check_device and not cuda:
+    bf16 = cuda if args.bf16 is None else args.bf16
+    if bf16 and check_device and not cuda:
         raise ArgumentError("--bf16 needs a CUDA GPU (none is visible); leave it out to train in fp32 on CPU",
                             flag="--bf16")
     if check_device and not cuda and args.attn not in ("auto", "torch"):
@@ -751,25 +793,32 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if check_device and not cuda and args.moe_permute_fusion and os.environ.get("TRITON_INTERPRET") != "1":
         raise ArgumentError("--moe-permute-fusion needs a CUDA GPU (none is visible); leave it out or use "
                             "--no-moe-permute-fusion", flag="--moe-permute-fusion")
-    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return dict(bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
 
-    # ---- model
+
+def _check_model(args: argparse.Namespace) -> Dict[str, Any]:
     cfg = _load_model_config(args)
-    args.model_config = cfg
     has_mtp = cfg.num_nextn_predict_layers > 0
-    if args.mtp is None:
-        args.mtp = has_mtp
-    elif args.mtp and not has_mtp:
+    if args.mtp and not has_mtp:
         raise ArgumentError("--mtp: the model config has no MTP layer (num_nextn_predict_layers is 0)", flag="--mtp")
+    return dict(model_config=cfg, mtp=has_mtp if args.mtp is None else args.mtp)
 
-    # ---- parallel layout
+
+def _config_error_to_flag(e: Exception) -> ArgumentError:
+    msg = str(e)
+    return ArgumentError(msg, flag=msg.split()[0] if msg.startswith("--") else None)
+
+
+def _check_parallel_layout(args: argparse.Namespace, world: int, cfg, flags: Dict[str, Any]) -> Dict[str, Any]:
+    """Ranks over --tp/--pp/--cp and the expert layout, the pipeline split, sequence parallelism and the sequence
+    length, the DDP overlap flags."""
+    from megatron_glm5.config import ConfigError, check_cp_seq_length
+
     tp = args.tensor_model_parallel_size
     pp = args.pipeline_model_parallel_size
     cp = args.context_parallel_size
     ep = args.expert_model_parallel_size
-    if args.expert_tensor_parallel_size is None:
-        args.expert_tensor_parallel_size = 1
-    etp = args.expert_tensor_parallel_size
+    etp = flags["expert_tensor_parallel_size"]
     if world % (tp * pp * cp):
         raise ArgumentError(
             f"world size {world} is not divisible by --tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp}", flag="--tp"
@@ -780,42 +829,32 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             "(the expert layout)",
             flag="--ep",
         )
-    dp = world // (tp * pp * cp)
-    args.data_parallel_size = dp
-    args.expert_data_parallel_size = world // (etp * ep * pp)
-
     vpp = args.virtual_pipeline_model_parallel_size
     if vpp is not None and pp == 1:
         raise ArgumentError(f"--vpp {vpp} needs --pp > 1 (virtual stages interleave pipeline stages)", flag="--vpp")
-    if vpp == 1:
-        args.virtual_pipeline_model_parallel_size = vpp = None
+    vpp = flags["virtual_pipeline_model_parallel_size"]
     uneven = _check_pipeline_layout(args, cfg.num_hidden_layers, pp, vpp)
     try:  # heads by --tp, experts by --ep, expert width by --etp, layers by --pp (even split)
         cfg.validate_layout(tp=tp, pp=1 if uneven else pp, ep=ep, etp=etp, cp=cp)
     except ConfigError as e:
-        msg = str(e)
-        raise ArgumentError(msg, flag=msg.split()[0] if msg.startswith("--") else None) from None
+        raise _config_error_to_flag(e) from None
 
-    if args.sequence_parallel is None:
-        args.sequence_parallel = tp > 1
-    elif args.sequence_parallel and tp == 1:
+    if args.sequence_parallel and tp == 1:
         logger.warning("--sequence-parallel ignored: it needs --tp > 1")
-        args.sequence_parallel = False
-    elif not args.sequence_parallel and tp > 1:
+    elif args.sequence_parallel is False and tp > 1:
         raise ArgumentError(
             f"--no-sequence-parallel with --tp {tp}: megatron-core's MoE layers need sequence parallelism "
             "when tensor parallelism is on",
             flag="--no-sequence-parallel",
         )
+    sp = flags["sequence_parallel"]
 
     seq = args.seq_length
-    if cp > 1 and seq % (2 * cp):
-        raise ArgumentError(
-            f"--seq-length {seq} is not divisible by 2 x --cp {cp} = {2 * cp} (load-balanced context-parallel "
-            "split)",
-            flag="--seq-length",
-        )
-    if args.sequence_parallel and seq % (tp * cp):
+    try:
+        check_cp_seq_length(seq, cp)
+    except ConfigError as e:
+        raise _config_error_to_flag(e) from None
+    if sp and seq % (tp * cp):
         raise ArgumentError(
             f"--seq-length {seq} is not divisible by --tp {tp} x --cp {cp} = {tp * cp} (sequence parallelism "
             "splits each sequence over the tensor-parallel ranks)",
@@ -829,41 +868,54 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer", flag="--overlap-param-gather")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
         raise ArgumentError("--overlap-param-gather needs --overlap-grad-reduce", flag="--overlap-param-gather")
+    return dict(
+        expert_tensor_parallel_size=etp,
+        virtual_pipeline_model_parallel_size=vpp,
+        data_parallel_size=world // (tp * pp * cp),
+        expert_data_parallel_size=world // (etp * ep * pp),
+        sequence_parallel=sp,
+    )
 
-    if args.node_size is None:
-        args.node_size = min(world, 8)
-    if args.moe_token_dispatcher_type == "hybridep" and world > args.node_size and world % args.node_size:
+
+def _check_hybridep(args: argparse.Namespace, world: int, etp: int) -> Dict[str, Any]:
+    """--node-size (default: min(world size, 8)) against the world size and the expert-parallel group."""
+    node_size = min(world, 8) if args.node_size is None else args.node_size
+    ep = args.expert_model_parallel_size
+    if args.moe_token_dispatcher_type == "hybridep" and world > node_size and world % node_size:
         raise ArgumentError(
-            f"--node-size {args.node_size} does not divide the world size {world} (hybridep needs whole nodes)",
+            f"--node-size {node_size} does not divide the world size {world} (hybridep needs whole nodes)",
             flag="--node-size",
         )
     ep_width = ep * etp  # consecutive ranks of one expert-parallel group (expert TP innermost)
-    if args.moe_token_dispatcher_type == "hybridep" and ep_width % args.node_size and args.node_size % ep_width:
+    if args.moe_token_dispatcher_type == "hybridep" and ep_width % node_size and node_size % ep_width:
         raise ArgumentError(
-            f"--node-size {args.node_size} does not divide --ep {ep}"
+            f"--node-size {node_size} does not divide --ep {ep}"
             + (f" x --etp {etp} = {ep_width}" if etp > 1 else "")
             + " (hybridep groups each expert-parallel group into whole nodes; a group inside one node needs "
             "--node-size to be a multiple of it)",
             flag="--node-size",
         )
+    return dict(node_size=node_size)
 
-    # ---- batch
+
+def _check_batch(args: argparse.Namespace, world: int, dp: int) -> Dict[str, Any]:
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     mbs = args.micro_batch_size
-    if args.global_batch_size is None:
-        args.global_batch_size = mbs * dp
-    gbs = args.global_batch_size
+    gbs = mbs * dp if args.global_batch_size is None else args.global_batch_size
     if gbs % (mbs * dp):
         raise ArgumentError(
             f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp} "
             f"= {mbs * dp} (data-parallel size = world size {world} / (--tp {tp} x --pp {pp} x --cp {cp}))",
             flag="--global-batch-size",
         )
-    args.num_microbatches = gbs // (mbs * dp)
-    if pp > 1 and args.num_microbatches < pp:
+    num_microbatches = gbs // (mbs * dp)
+    if pp > 1 and num_microbatches < pp:
         logger.warning("%d micro-batches per step for %d pipeline stages: most of each step is pipeline bubble",
-                       args.num_microbatches, pp)
+                       num_microbatches, pp)
+    return dict(global_batch_size=gbs, num_microbatches=num_microbatches)
 
-    # ---- attention / DSA
+
+def _check_dsa(args: argparse.Namespace) -> None:
     if args.dsa_indexer_loss_coeff < 0:
         raise ArgumentError(f"--dsa-indexer-loss-coeff must be >= 0, got {args.dsa_indexer_loss_coeff:g}",
                             flag="--dsa-indexer-loss-coeff")
@@ -880,13 +932,12 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
             flag="--freeze-indexer",
         )
 
-    # ---- MoE
+
+def _check_moe(args: argparse.Namespace, flags: Dict[str, Any]) -> Dict[str, Any]:
     if args.moe_aux_loss_coeff < 0:
         raise ArgumentError(f"--moe-aux-loss-coeff must be >= 0, got {args.moe_aux_loss_coeff:g}",
                             flag="--moe-aux-loss-coeff")
-    if args.moe_router_load_balancing_type is None:
-        args.moe_router_load_balancing_type = "seq_aux_loss" if args.moe_aux_loss_coeff > 0 else "none"
-    elif args.moe_router_load_balancing_type == "none" and args.moe_aux_loss_coeff > 0:
+    if args.moe_router_load_balancing_type == "none" and args.moe_aux_loss_coeff > 0:
         raise ArgumentError(
             f"--moe-aux-loss-coeff {args.moe_aux_loss_coeff:g} has no effect with "
             "--moe-router-load-balancing-type none",
@@ -895,49 +946,54 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
     if args.moe_router_bias_update_rate < 0:
         raise ArgumentError(f"--moe-router-bias-update-rate must be >= 0, got {args.moe_router_bias_update_rate:g}",
                             flag="--moe-router-bias-update-rate")
+    return dict(moe_router_load_balancing_type=flags["moe_router_load_balancing_type"])
 
-    # ---- optimizer and schedule
+
+def _check_schedule(args: argparse.Namespace) -> Dict[str, Any]:
+    """Optimizer and LR schedule: warm-up (--lr-warmup-iters, --lr-warmup-fraction or the default), decay, WSD."""
     if args.lr < args.min_lr:
         raise ArgumentError(f"--lr {args.lr:g} is smaller than --min-lr {args.min_lr:g}", flag="--lr")
     for flag, v in (("--adam-beta1", args.adam_beta1), ("--adam-beta2", args.adam_beta2)):
         if not 0.0 <= v < 1.0:
             raise ArgumentError(f"{flag} must be in [0, 1), got {v:g}", flag=flag)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+    train_iters = args.train_iters
+    decay_iters = train_iters if args.lr_decay_iters is None else args.lr_decay_iters
     explicit_warmup = args.lr_warmup_iters is not None
     if explicit_warmup and args.lr_warmup_fraction is not None:
         raise ArgumentError("--lr-warmup-iters and --lr-warmup-fraction are exclusive; give one",
                             flag="--lr-warmup-fraction")
     if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(round(args.lr_warmup_fraction * args.lr_decay_iters))
+        warmup = int(round(args.lr_warmup_fraction * decay_iters))
         warmup_flag = "--lr-warmup-fraction"
     elif explicit_warmup:
-        warmup_flag = "--lr-warmup-iters"
+        warmup, warmup_flag = args.lr_warmup_iters, "--lr-warmup-iters"
     else:
-        args.lr_warmup_iters = min(DEFAULT_LR_WARMUP_ITERS, args.train_iters // 10)
-        warmup_flag = "--lr-warmup-iters"
-    if args.lr_warmup_iters > args.train_iters:
+        warmup, warmup_flag = min(DEFAULT_LR_WARMUP_ITERS, train_iters // 10), "--lr-warmup-iters"
+    if warmup > train_iters:
         raise ArgumentError(
-            f"{warmup_flag}: {args.lr_warmup_iters} warm-up iterations exceed --train-iters {args.train_iters}",
+            f"{warmup_flag}: {warmup} warm-up iterations exceed --train-iters {train_iters}",
             flag=warmup_flag,
         )
-    if args.lr_decay_style != "constant" and args.lr_warmup_iters >= args.lr_decay_iters:
+    if args.lr_decay_style != "constant" and warmup >= decay_iters:
         raise ArgumentError(
-            f"{warmup_flag}: {args.lr_warmup_iters} warm-up iterations leave nothing of --lr-decay-iters "
-            f"{args.lr_decay_iters} to decay over",
+            f"{warmup_flag}: {warmup} warm-up iterations leave nothing of --lr-decay-iters "
+            f"{decay_iters} to decay over",
             flag=warmup_flag,
         )
+    wsd_iters = args.lr_wsd_decay_iters
     if args.lr_decay_style == "WSD":
-        if args.lr_wsd_decay_iters is None:
-            args.lr_wsd_decay_iters = max(1, args.lr_decay_iters // 10)
-        if args.lr_wsd_decay_iters > args.lr_decay_iters - args.lr_warmup_iters:
+        if wsd_iters is None:
+            wsd_iters = max(1, decay_iters // 10)
+        if wsd_iters > decay_iters - warmup:
             raise ArgumentError(
-                f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} exceeds the {args.lr_decay_iters - args.lr_warmup_iters}"
+                f"--lr-wsd-decay-iters {wsd_iters} exceeds the {decay_iters - warmup}"
                 " iterations after warm-up",
                 flag="--lr-wsd-decay-iters",
             )
+    return dict(lr_decay_iters=decay_iters, lr_warmup_iters=warmup, lr_wsd_decay_iters=wsd_iters)
 
-    # ---- recompute
+
+def _check_recompute(args: argparse.Namespace, flags: Dict[str, Any]) -> Dict[str, Any]:
     gran, method, nlayers, modules = (args.recompute_granularity, args.recompute_method,
                                       args.recompute_num_layers, args.recompute_modules)
     if modules is not None:
@@ -964,24 +1020,64 @@ def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
         for flag, v in (("--recompute-method", method), ("--recompute-num-layers", nlayers)):
             if v is not None:
                 raise ArgumentError(f"{flag} applies to --recompute-granularity full only, not selective", flag=flag)
-    else:
-        args.recompute_method = method or "uniform"
-        args.recompute_num_layers = nlayers or 1
+    return dict(recompute_method=flags["recompute_method"], recompute_num_layers=flags["recompute_num_layers"])
 
-    # ---- data
-    args.data_blend = parse_data_blend(args.data_path, "--data-path")
-    args.valid_data_blend = parse_data_blend(args.valid_data_path, "--valid-data-path")
-    args.split_fractions = _parse_split(args.split)
+
+def _check_data(args: argparse.Namespace) -> Dict[str, Any]:
+    derived = dict(
+        data_blend=parse_data_blend(args.data_path, "--data-path"),
+        valid_data_blend=parse_data_blend(args.valid_data_path, "--valid-data-path"),
+        split_fractions=_parse_split(args.split),
+    )
     if not str(args.tokenizer).strip():
         raise ArgumentError("--tokenizer is empty", flag="--tokenizer")
+    return derived
 
-    # ---- checkpoints and logging
+
+def _check_checkpoints_and_logging(args: argparse.Namespace, cuda: bool) -> Dict[str, Any]:
     if args.finetune and not args.load:
         raise ArgumentError("--finetune needs --load (the checkpoint whose weights to start from)", flag="--finetune")
-    if args.tensorboard_dir is None and args.save:
-        args.tensorboard_dir = os.path.join(args.save, "tensorboard")
-    if args.peak_tflops is None and cuda:
-        args.peak_tflops = DEFAULT_PEAK_TFLOPS
+    tensorboard_dir = args.tensorboard_dir
+    if tensorboard_dir is None and args.save:
+        tensorboard_dir = os.path.join(args.save, "tensorboard")
+    peak_tflops = DEFAULT_PEAK_TFLOPS if args.peak_tflops is None and cuda else args.peak_tflops
+    return dict(tensorboard_dir=tensorboard_dir, peak_tflops=peak_tflops)
+
+
+def derive_args(args: argparse.Namespace, world_size: Optional[int] = None,
+                check_device: bool = True) -> DerivedArgs:
+    """Check ``args`` for ``world_size`` ranks section by section (the order decides which mistake is reported
+    first) and return the :class:`DerivedArgs`; ``args`` is not changed.  See :func:`validate_args`."""
+    world = _resolve_world_size(world_size)
+    cuda = _cuda_available()
+    flags = _flag_defaults(args)
+    d: Dict[str, Any] = dict(world_size=world)
+    d.update(_check_precision(args, cuda, check_device))
+    d.update(_check_model(args))
+    d.update(_check_parallel_layout(args, world, d["model_config"], flags))
+    d.update(_check_hybridep(args, world, d["expert_tensor_parallel_size"]))
+    d.update(_check_batch(args, world, d["data_parallel_size"]))
+    _check_dsa(args)
+    d.update(_check_moe(args, flags))
+    d.update(_check_schedule(args))
+    d.update(_check_recompute(args, flags))
+    d.update(_check_data(args))
+    d.update(_check_checkpoints_and_logging(args, cuda))
+    return DerivedArgs(**d)
+
+
+def validate_args(args: argparse.Namespace, world_size: Optional[int] = None,
+                  check_device: bool = True) -> argparse.Namespace:
+    """Check ``args`` for ``world_size`` ranks (default ``$WORLD_SIZE`` or 1) and fill the derived fields.
+
+    Raises :class:`ArgumentError` with one message naming the flag(s) at the first mistake.  ``check_device=False``
+    skips the checks that need the local hardware (``--bf16`` / GPU-only ``--attn`` without CUDA), to validate a
+    recipe for a cluster from a laptop.  Writes every field of :func:`derive_args`'s :class:`DerivedArgs` onto
+    ``args`` (nothing when a check fails) and returns it.  Idempotent.
+    """
+    derived = derive_args(args, world_size, check_device)
+    for f in dataclasses.fields(derived):
+        setattr(args, f.name, getattr(derived, f.name))
     return args
 
 
@@ -994,32 +1090,22 @@ def args_to_overrides(args: argparse.Namespace) -> Dict[str, Any]:
     """The ``GLM5Config.to_transformer_config(**overrides)`` keyword arguments for the model-related flags
     (megatron-core 0.19.2 TransformerConfig names, plus GLM5TransformerConfig's ``dsa_*`` fields).
 
-    Works on validated args; on unvalidated ones the unresolved "auto" values get their documented defaults.
-    ``moe_token_dispatcher_type`` is passed verbatim, so "hybridep" (not a megatron-core dispatcher type) is the
-    model builder's to translate.
+    Reads the values :func:`validate_args` derived; on unvalidated args the unresolved "auto" values get their
+    documented defaults (:func:`_flag_defaults`; bf16 stays off).  ``moe_token_dispatcher_type`` is passed
+    verbatim, so "hybridep" (not a megatron-core dispatcher type) is the model builder's to translate.
     """
     import torch
 
     bf16 = bool(args.bf16)
-    tp = args.tensor_model_parallel_size
-    sp = args.sequence_parallel
-    if sp is None:
-        sp = tp > 1
-    lb_type = args.moe_router_load_balancing_type
-    if lb_type is None:
-        lb_type = "seq_aux_loss" if args.moe_aux_loss_coeff > 0 else "none"
-    gran, method, nlayers = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
-    if gran == "full":
-        method, nlayers = method or "uniform", nlayers or 1
-    vpp = args.virtual_pipeline_model_parallel_size
+    flags = _flag_defaults(args)
     overrides: Dict[str, Any] = dict(
-        tensor_model_parallel_size=tp,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=None if vpp == 1 else vpp,
+        virtual_pipeline_model_parallel_size=flags["virtual_pipeline_model_parallel_size"],
         expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size or 1,
+        expert_tensor_parallel_size=flags["expert_tensor_parallel_size"],
         context_parallel_size=args.context_parallel_size,
-        sequence_parallel=bool(sp and tp > 1),
+        sequence_parallel=flags["sequence_parallel"],
         params_dtype=getattr(args, "params_dtype", None) or (torch.bfloat16 if bf16 else torch.float32),
         bf16=bf16,
         dsa_stage=args.dsa_stage,
@@ -1027,13 +1113,15 @@ def args_to_overrides(args: argparse.Namespace) -> Dict[str, Any]:
         dsa_freeze_indexer=bool(args.freeze_indexer),
         dsa_backend=args.attn,
         moe_aux_loss_coeff=float(args.moe_aux_loss_coeff),
-        moe_router_load_balancing_type=lb_type,
-        moe_router_bias_update_rate=float(args.moe_router_bias_update_rate),
+        moe_router_load_balancing_type=flags["moe_router_load_balancing_type"],
+        # the dense warm-up trains the indexers alone: the routers' expert bias stays as loaded, too
+        moe_router_bias_update_rate=(0.0 if args.dsa_stage == "dense-warmup"
+                                     else float(args.moe_router_bias_update_rate)),
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         mtp_loss_scaling_factor=float(args.mtp_loss_scaling_factor),
-        recompute_granularity=gran,
-        recompute_method=method,
-        recompute_num_layers=nlayers,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=flags["recompute_method"],
+        recompute_num_layers=flags["recompute_num_layers"],
         recompute_modules=list(args.recompute_modules) if args.recompute_modules is not None else None,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,

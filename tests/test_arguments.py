@@ -429,6 +429,27 @@ def test_derived_fields():
     assert ok(["--pp", "2", "--decoder-first-pipeline-num-layers", "1"], 2).decoder_last_pipeline_num_layers is None
 
 
+def test_derived_record_is_computed_once_and_written_onto_args():
+    args = parse_args(["--tp", "2", "--recompute-granularity", "full"])
+    before = dict(vars(args))
+    derived = A.derive_args(args, 2)
+    assert dict(vars(args)) == before  # derive_args leaves the namespace alone
+    assert isinstance(derived, A.DerivedArgs)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        derived.world_size = 3
+    assert (derived.sequence_parallel, derived.recompute_method, derived.recompute_num_layers) == (True, "uniform", 1)
+    assert (derived.data_parallel_size, derived.global_batch_size, derived.num_microbatches) == (1, 4, 1)
+    validate_args(args, 2)
+    for f in dataclasses.fields(derived):
+        assert getattr(args, f.name) == getattr(derived, f.name), f.name
+    # a failed check writes nothing
+    bad = parse_args(["--finetune"])
+    before = dict(vars(bad))
+    with pytest.raises(ArgumentError):
+        validate_args(bad, 1)
+    assert dict(vars(bad)) == before
+
+
 def test_parse_data_blend():
     assert parse_data_blend(["a", "b"]) == (["a", "b"], None)
     assert parse_data_blend(["1", "a", "3", "b"]) == (["a", "b"], [1.0, 3.0])
@@ -542,6 +563,20 @@ def test_overrides_for_a_parallel_layout():
     assert (tc.num_layers_in_first_pipeline_stage, tc.num_layers_in_last_pipeline_stage) == (1, 1)
     assert (tc.recompute_method, tc.recompute_num_layers) == ("uniform", 1)
     assert tc.expert_tensor_parallel_size == 1  # our default, not megatron-core's "= tp"
+
+
+def test_dsa_stage_choices_are_the_config_s():
+    import megatron_glm5.config as mc
+
+    assert A.DSA_STAGES is mc.DSA_STAGES
+    assert "{dense-warmup,sparse}" in build_parser().format_help()
+    with pytest.raises(ArgumentError, match="invalid choice: 'x'"):
+        parse_args(["--dsa-stage", "x"])
+
+
+def test_overrides_dense_warmup_keeps_the_router_bias():
+    assert args_to_overrides(ok(["--dsa-stage", "dense-warmup"]))["moe_router_bias_update_rate"] == 0.0
+    assert args_to_overrides(ok(["--moe-router-bias-update-rate", "0.01"]))["moe_router_bias_update_rate"] == 0.01
 
 
 def test_overrides_without_validation_use_documented_defaults():

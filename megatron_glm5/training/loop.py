@@ -53,9 +53,7 @@ def build_model_chunks(args):
     if overrides.get("dsa_backend") == "auto":
         from megatron_glm5.ops import get_backend
         overrides["dsa_backend"] = get_backend("auto").name
-    warmup = args.dsa_stage == "dense-warmup"
-    if warmup:  # the warm-up trains the indexers alone: the routers' expert bias stays as loaded, too
-        overrides["moe_router_bias_update_rate"] = 0.0
+    warmup = args.dsa_stage == "dense-warmup"  # trains the indexers alone (args_to_overrides keeps the bias too)
     vpp = args.virtual_pipeline_model_parallel_size or 1
     chunks = []
     for stage in range(vpp):
