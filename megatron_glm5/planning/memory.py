@@ -1,0 +1,113 @@
+"""Peak memory of one rank: weights, gradients, optimizer state (buffers.py) plus activations, the loss, the MoE
+dispatch buffers and the allocator's margin.
+
+Activations in flight follow the pipeline schedule megatron-core runs: 1F1B keeps min(PP - p, M) micro-batches of
+stage p's layers (the first stage holds PP of them); the interleaved schedule (--vpp V) keeps
+``min(M*V, 2*(PP - p - 1) + (V - 1)*PP + 1)`` model chunks' worth (megatron-core's warm-up count plus the one in
+its steady state), each chunk 1/V of the stage's layers.  Under full recompute a covered layer keeps only its input;
+the layer being recomputed in backward materialises everything once (the working set).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+from megatron_glm5.planning import activations as act
+from megatron_glm5.planning.buffers import StaticMemory
+
+GIB = 1024 ** 3
+CONTEXT_BYTES = int(2.5 * GIB)  # CUDA context, cuBLAS/NCCL workspaces and communicator buffers: an assumption
+FRAGMENTATION = 0.05  # the caching allocator's slack over what tensors hold: an assumption
+
+# --recompute-modules (selective recompute): the activation terms each one stops keeping
+_SELECTIVE_DROPS = {
+    "core_attn": ("out_lat, out, lse",),
+    "moe_act": ("expert fc1 out, act out",),
+    "mlp": ("fc1 out, act out, fc2 out",),
+    "moe": ("router logits, scores, top-k", "dispatched tokens (fc1 in)", "expert fc1 out, act out",
+            "expert fc2 out, combine", "shared expert fc1 out, act out, out"),
+    "shared_experts": ("shared expert fc1 out, act out, out",),
+    "layernorm": ("input_layernorm in/out", "pre_mlp_layernorm in/out"),
+}
+
+
+def micro_batches_in_flight(pp: int, pp_rank: int, vpp: int, num_microbatches: int) -> float:
+    """Stage-equivalents of activations kept at once on pipeline rank ``pp_rank`` (a stage's layers = 1)."""
+    if pp == 1:
+        return 1.0
+    if vpp == 1:
+        return float(min(pp - pp_rank, num_microbatches))
+    chunks = min(num_microbatches * vpp, 2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1)
+    return chunks / vpp
+
+
+def layer_kept_bytes_per_token(cfg, i, tp, etp, recompute: bool, modules) -> float:
+    """What layer ``i`` keeps per token between its forward and its backward."""
+    if recompute:
+        return act.layer_input_bytes_per_token(cfg, tp)
+    terms = dict(act.attention_terms(cfg, tp, cfg.is_full_indexer_layer(i)))
+    terms.update(act.mlp_terms(cfg, tp, etp, cfg.is_moe_layer(i)))
+    for m in modules or ():
+        for name in _SELECTIVE_DROPS.get(m, ()):
+            terms.pop(name, None)
+    return sum(terms.values())
+
+
+@dataclass
+class RankMemory:
+    static: StaticMemory
+    activation_bytes: int
+    working_bytes: int  # the largest transient: a recomputed layer + dispatch buffers, or the loss
+    loss_bytes: int
+    dispatch_bytes: int
+    context_bytes: int
+    margin_bytes: int
+    in_flight: float
+    notes: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        s = self.static
+        return (s.weight_bytes + s.grad_bytes + s.optimizer_bytes + self.activation_bytes + self.working_bytes
+                + self.context_bytes + self.margin_bytes)
+
+    def breakdown(self) -> Dict[str, int]:
+        s = self.static
+        return {"weights": s.weight_bytes, "gradients": s.grad_bytes, "optimizer_main_params": s.optimizer_main_bytes,
+                "optimizer_moments": s.optimizer_moment_bytes, "activations": self.activation_bytes,
+                "working_set": self.working_bytes, "cuda_context": self.context_bytes,
+                "allocator_margin": self.margin_bytes}
+
+
+def rank_memory(args, layout, chunks, pp_rank: int, static: StaticMemory) -> RankMemory:
+    """The peak of one rank of pipeline rank ``pp_rank`` (``chunks``: its model chunks)."""
+    cfg = args.model_config
+    tp, etp = layout.tp, layout.etp
+    tokens = args.seq_length * args.micro_batch_size / layout.cp  # per micro-batch on this rank
+    gran, method, nrec = args.recompute_granularity, args.recompute_method, args.recompute_num_layers
+    modules = args.recompute_modules if gran == "selective" else None
+    layers = layout.stage_layers(pp_rank)
+    covered = list(act.recomputed_layers(len(layers), gran, method, nrec or 1))
+    kept = sum(layer_kept_bytes_per_token(cfg, i, tp, etp, rc, modules) for i, rc in zip(layers, covered))
+    mtp = any(c.mtp for c in chunks)
+    if mtp:  # the MTP layer is a MoE layer with its own indexer; megatron-core recomputes it with the decoder's
+        kept += act.layer_input_bytes_per_token(cfg, tp) * 2 if gran == "full" else \
+            act.layer_bytes_per_token(cfg, tp, etp, True, True)
+    in_flight = micro_batches_in_flight(layout.pp, pp_rank, layout.vpp, args.num_microbatches)
+    activation = kept * tokens * in_flight
+    moe_here = any(cfg.is_moe_layer(i) for i in layers) or mtp
+    dispatch = act.dispatch_buffer_bytes_per_token(cfg, tp) * tokens if moe_here else 0.0
+    recomputed = max((act.layer_bytes_per_token(cfg, tp, etp, cfg.is_moe_layer(i), cfg.is_full_indexer_layer(i))
+                      for i, rc in zip(layers, covered) if rc), default=0.0) * tokens
+    loss = 0.0
+    if any(c.post_process for c in chunks):
+        heads = 1 + (args.mtp_steps if mtp else 0)
+        loss = act.loss_bytes_per_token(cfg, tp) * tokens * heads
+    working = max(recomputed + dispatch, loss)
+    s = static
+    base = s.weight_bytes + s.grad_bytes + s.optimizer_bytes + activation + working
+    margin = FRAGMENTATION * base
+    notes = {"activations": "estimate (planning/activations.py)"}
+    return RankMemory(static=s, activation_bytes=int(activation), working_bytes=int(working), loss_bytes=int(loss),
+                      dispatch_bytes=int(dispatch), context_bytes=CONTEXT_BYTES, margin_bytes=int(margin),
+                      in_flight=in_flight, notes=notes)
