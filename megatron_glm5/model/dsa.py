@@ -20,11 +20,11 @@ from megatron.core import parallel_state
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+from megatron_glm5.config import DSA_STAGES
 from megatron_glm5.model.params import param_device
 from megatron_glm5.model.rope import apply_interleaved_rope
 from megatron_glm5.ops import get_backend
 
-DSA_STAGES = ("dense-warmup", "sparse")
 MTP_STORE_KEY = "mtp"  # where the MTP layer's indexer leaves its top-k
 
 

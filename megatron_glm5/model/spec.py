@@ -29,13 +29,6 @@ from megatron_glm5.model.moe import GLM5GroupedExperts, GLM5MoELayer, GLM5Router
 from megatron_glm5.model.norm import GLM5RMSNorm, latent_rms_norm
 from megatron_glm5.model.pipeline_topk import stage_layers
 
-def index_source_layer(indexer_types, layer_index: int) -> int:
-    """0-based index of the full-indexer layer whose top-k layer ``layer_index`` uses (itself if full)."""
-    for i in range(layer_index, -1, -1):
-        if indexer_types[i] == "full":
-            return i
-    raise ValueError(f"indexer_types: layer {layer_index} is 'shared' but no 'full' layer precedes it")
-
 
 def _shared_experts(*, config, pg_collection, gate, submodules, name=None):
     return SharedExpertMLP(config=config, submodules=submodules, gate=gate, pg_collection=pg_collection, name=name)
@@ -86,7 +79,7 @@ def decoder_layer_specs(config) -> list[ModuleSpec]:
         if types[i] == "full":
             specs.append(layer_spec(moe, "full", store_key=i + 1))
         else:
-            specs.append(layer_spec(moe, "shared", store_key=None, source_key=index_source_layer(types, i) + 1))
+            specs.append(layer_spec(moe, "shared", store_key=None, source_key=config.dsa_index_source_layer(i) + 1))
     return specs
 
 
