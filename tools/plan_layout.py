@@ -6,7 +6,8 @@
 
 Every flag of finetune_glm5.py (or, with --mode pretrain, of pretrain_glm5.py) is accepted and checked exactly as
 training checks it; the planner's own flags are --world-size (default: the smallest the layout allows),
---gpu (megatron_glm5/planning/gpus.py), --json FILE, --mode and --efficiency.  See docs/scaling.md.
+--gpu (megatron_glm5/planning/gpus.py), --json FILE, --mode, --efficiency and --smallest (planning/search.py).
+See docs/scaling.md.
 """
 import argparse
 import json
@@ -29,10 +30,12 @@ def _own_flags(argv):
     p.add_argument("--json", default=None)
     p.add_argument("--mode", default="finetune", choices=("finetune", "pretrain"))
     p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY)
+    p.add_argument("--smallest", action="store_true")
     if "-h" in argv or "--help" in argv:
         print(__doc__.strip())
         print(f"\nplanner flags: --world-size N, --gpu {{{', '.join(GPUS)}}}, --json FILE, --mode "
-              f"{{finetune,pretrain}}, --efficiency X (default {DEFAULT_EFFICIENCY:g}); training flags: "
+              f"{{finetune,pretrain}}, --efficiency X (default {DEFAULT_EFFICIENCY:g}), --smallest (search the "
+              "smallest world size where some TP/PP/EP layout fits, the other flags kept); training flags: "
               "python finetune_glm5.py --help")
         sys.exit(0)
     try:
@@ -63,6 +66,8 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     own, rest = _own_flags(argv)
     gpu = get_gpu(own.gpu)
+    if own.smallest:
+        return _smallest(rest, own, gpu)
     args = parse_args(rest, mode=own.mode)
     if args.bf16 is None:
         args.bf16 = True  # a GPU run is planned: bf16 unless --no-bf16 (training defaults to the local device's)
@@ -74,6 +79,22 @@ def main(argv=None):
         with open(own.json, "w", encoding="utf-8") as f:
             json.dump(plan.to_json(), f, indent=1)
         print(f"wrote {own.json}")
+    return 0
+
+
+def _smallest(rest, own, gpu) -> int:
+    from megatron_glm5.planning.search import layout_flags, smallest_fitting
+
+    worlds = range(gpu.gpus_per_node, 2049, gpu.gpus_per_node)
+    world, plans = smallest_fitting(rest, own.mode, gpu, worlds)
+    if not plans:
+        print(f"no TP/PP/EP layout of these flags fits {gpu.name} up to {worlds[-1]} GPUs")
+        return 1
+    print(f"smallest world size where a layout fits {gpu.name}: {world} ({len(plans)} layouts; fastest first, "
+          f"time an ESTIMATE unless calibrated)")
+    for p in plans[:8]:
+        print(f"  {layout_flags(p.args):<90} peak {p.peak_memory_gib:6.1f} GiB  "
+              f"{p.time.tokens_per_s_per_gpu:5.0f} tokens/s/GPU")
     return 0
 
 
