@@ -191,3 +191,26 @@ def test_check_fits_refuses_in_one_line():
     args.skip_memory_check = True
     check_fits(args)  # skipped
     check_fits(_args(TINY, world=1))  # the tiny model fits anywhere
+
+
+def test_calibration_table_replaces_the_estimate(tmp_path, monkeypatch):
+    """With a calibration table the layers' compute is the measured time and the output says so."""
+    from megatron_glm5.planning import calibration
+
+    args = _args(["--preset", "glm5.3", "--pp", "4", "--decoder-first-pipeline-num-layers", "18",
+                  "--decoder-last-pipeline-num-layers", "18", "--ep", "64", "--seq-length", "4096",
+                  "--micro-batch-size", "1", "--global-batch-size", "512", "--recompute-granularity", "full",
+                  "--use-distributed-optimizer", "--bf16"], world=256)
+    estimate = make_plan(args, GPUS["h200-141gb"])
+    assert estimate.calibration is None and estimate.time.basis.startswith("ESTIMATE")
+    rows = [{"layer": kind, "local_experts": 8 if kind == "moe" else None, "tokens": t, "recompute": True,
+             "fwd_bwd_ms": ms * t / 4096, "hidden": 6144, "attn": "triton"}
+            for kind, ms in (("dense", 20.0), ("moe", 40.0)) for t in (2048, 8192)]
+    table = tmp_path / "calibration_h200.json"
+    table.write_text(json.dumps({"date": "2026-12-01", "device": "test", "command": "test", "rows": rows}))
+    monkeypatch.setattr(calibration, "table_path", lambda name: str(table))
+    measured = make_plan(args, GPUS["h200-141gb"])
+    assert measured.time.basis.startswith("measured layer times") and "timed as 8" in measured.time.basis
+    stage1 = measured.time.stages[1]  # 21 MoE layers at 40 ms (interpolated at 4096 tokens)
+    assert stage1.measured_layers == 21 and stage1.estimated_layers == 0
+    assert abs(stage1.compute_s - 21 * 0.040) < 1e-9

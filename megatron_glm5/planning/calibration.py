@@ -13,7 +13,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -31,22 +31,28 @@ class Calibration:
     rows: List[dict]
 
     def layer_ms(self, layer: str, tokens: float, local_experts: int, recompute: bool,
-                 hidden: int) -> Optional[float]:
-        """Measured forward+backward ms of one layer at ``tokens``, log-log interpolated between the two nearest
-        measured token counts of the same (layer, local experts, recompute, width); None outside the measured
-        range or without such rows."""
-        pts = sorted((r["tokens"], r["fwd_bwd_ms"]) for r in self.rows
-                     if r["layer"] == layer and r["recompute"] == recompute and r.get("hidden") == hidden
-                     and (layer == "dense" or r["local_experts"] == local_experts))
+                 hidden: int) -> Optional[Tuple[float, str]]:
+        """(measured forward+backward ms of one layer at ``tokens``, what was used), log-log interpolated between
+        the two nearest measured token counts of the same (layer, recompute, width) and, for a MoE layer, the
+        measured local-expert count nearest to ``local_experts`` (named in the note when it differs); None
+        outside the measured token range or without such rows."""
+        rows = [r for r in self.rows if r["layer"] == layer and r["recompute"] == recompute
+                and r.get("hidden") == hidden]
+        note = ""
+        if layer == "moe" and rows:
+            counts = sorted({r["local_experts"] for r in rows})
+            near = min(counts, key=lambda n: abs(math.log(n / local_experts)))
+            rows = [r for r in rows if r["local_experts"] == near]
+            if near != local_experts:
+                note = f"MoE layers at {local_experts} local experts timed as {near}"
+        pts = sorted((r["tokens"], r["fwd_bwd_ms"]) for r in rows)
         if not pts or not pts[0][0] <= tokens <= pts[-1][0]:
             return None
         for (t0, m0), (t1, m1) in zip(pts, pts[1:]):
-            if t0 <= tokens <= t1:
-                if t1 == t0:
-                    return m0
+            if t0 <= tokens <= t1 and t1 > t0:
                 w = (math.log(tokens) - math.log(t0)) / (math.log(t1) - math.log(t0))
-                return math.exp(math.log(m0) + w * (math.log(m1) - math.log(m0)))
-        return pts[0][1]
+                return math.exp(math.log(m0) + w * (math.log(m1) - math.log(m0))), note
+        return pts[0][1], note
 
 
 def load(gpu_name: str) -> Optional[Calibration]:

@@ -9,7 +9,7 @@ the layer being recomputed in backward materialises everything once (the working
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict
 
 from megatron_glm5.planning import activations as act
@@ -63,13 +63,16 @@ class RankMemory:
     context_bytes: int
     margin_bytes: int
     in_flight: float
-    notes: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tensor_bytes(self) -> int:
+        """What tensors hold at the peak (comparable with torch.cuda.max_memory_allocated)."""
+        s = self.static
+        return s.weight_bytes + s.grad_bytes + s.optimizer_bytes + self.activation_bytes + self.working_bytes
 
     @property
     def total_bytes(self) -> int:
-        s = self.static
-        return (s.weight_bytes + s.grad_bytes + s.optimizer_bytes + self.activation_bytes + self.working_bytes
-                + self.context_bytes + self.margin_bytes)
+        return self.tensor_bytes + self.context_bytes + self.margin_bytes
 
     def breakdown(self) -> Dict[str, int]:
         s = self.static
@@ -107,7 +110,6 @@ def rank_memory(args, layout, chunks, pp_rank: int, static: StaticMemory) -> Ran
     s = static
     base = s.weight_bytes + s.grad_bytes + s.optimizer_bytes + activation + working
     margin = FRAGMENTATION * base
-    notes = {"activations": "estimate (planning/activations.py)"}
     return RankMemory(static=s, activation_bytes=int(activation), working_bytes=int(working), loss_bytes=int(loss),
                       dispatch_bytes=int(dispatch), context_bytes=CONTEXT_BYTES, margin_bytes=int(margin),
-                      in_flight=in_flight, notes=notes)
+                      in_flight=in_flight)

@@ -36,7 +36,7 @@ class RankPlan:
                 "expert_shard": self.expert_shard, "params": dict(s.params),
                 "param_bytes": s.param_bytes, "weight_bytes": s.weight_bytes, "grad_bytes": s.grad_bytes,
                 "optimizer_bytes": s.optimizer_bytes, "memory_bytes": self.memory.breakdown(),
-                "peak_memory_gib": self.memory.total_bytes / GIB}
+                "tensor_memory_gib": self.memory.tensor_bytes / GIB, "peak_memory_gib": self.memory.total_bytes / GIB}
 
 
 @dataclass

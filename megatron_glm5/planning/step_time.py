@@ -16,8 +16,8 @@ drain), the stages' sum divided by V with the interleaved schedule.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Dict, List
+from dataclasses import dataclass
+from typing import List
 
 from megatron_glm5.planning import comm
 from megatron_glm5.training.flops import layer_forward_flops, training_flops_per_token
@@ -54,25 +54,27 @@ class StepTime:
     tokens_per_s_per_gpu: float
     mfu: float
     basis: str
-    notes: Dict[str, str] = field(default_factory=dict)
 
 
 def _layer_compute_s(args, layout, gpu, i, moe: bool, full: bool, recompute: bool, tokens: float, calibration,
-                     efficiency: float):
-    """(seconds, measured?) of one layer's forward + backward of one micro-batch on one rank."""
+                     efficiency: float, notes: set):
+    """(seconds, measured?) of one layer's forward + backward of one micro-batch on one rank.  The calibration
+    was measured at TP1 / CP1 (one GPU): other layouts use the estimate."""
     cfg = args.model_config
     if calibration is not None and layout.tp == 1 and layout.cp == 1:
         local = cfg.n_routed_experts // layout.ep
-        ms = calibration.layer_ms("moe" if moe else "dense", tokens, local, recompute, cfg.hidden_size)
-        if ms is not None:
-            return ms / 1e3, True
+        got = calibration.layer_ms("moe" if moe else "dense", tokens, local, recompute, cfg.hidden_size)
+        if got is not None:
+            if got[1]:
+                notes.add(got[1])
+            return got[0] / 1e3, True
     sparse = args.dsa_stage == "sparse"
     f = layer_forward_flops(cfg, i, args.seq_length, sparse, moe=moe, full_indexer=full) * tokens / layout.tp
     passes = 4 if recompute else 3
     return passes * f / (gpu.bf16_dense_tflops * 1e12 * efficiency), False
 
 
-def stage_time(args, layout, gpu, pp_rank: int, calibration, efficiency: float) -> StageTime:
+def stage_time(args, layout, gpu, pp_rank: int, calibration, efficiency: float, notes: set) -> StageTime:
     from megatron_glm5.planning.activations import recomputed_layers
 
     cfg = args.model_config
@@ -90,7 +92,7 @@ def stage_time(args, layout, gpu, pp_rank: int, calibration, efficiency: float) 
     measured = estimated = 0
     for i, moe, full, rc in items:
         s, m = _layer_compute_s(args, layout, gpu, 0 if i is None else i, moe, full, rc, tokens, calibration,
-                                efficiency)
+                                efficiency, notes)
         compute += s
         measured += m
         estimated += not m
@@ -130,7 +132,8 @@ def step_time(args, layout, gpu, statics, calibration, efficiency: float = DEFAU
     """``statics``: per pipeline rank, the StaticMemory of its worst rank (for the DP collectives and the
     optimizer step)."""
     m = args.num_microbatches
-    stages = [stage_time(args, layout, gpu, r, calibration, efficiency) for r in range(layout.pp)]
+    notes: set = set()
+    stages = [stage_time(args, layout, gpu, r, calibration, efficiency, notes) for r in range(layout.pp)]
     per_mb = [s.total_s for s in stages]
     slowest = max(per_mb)
     fill = sum(per_mb) / layout.vpp
@@ -162,6 +165,10 @@ def step_time(args, layout, gpu, statics, calibration, efficiency: float = DEFAU
     else:
         basis = (f"partly measured: {measured} layer(s) from the calibration table, {estimated} estimated at "
                  f"{efficiency:g} x the datasheet rate")
+    if measured:
+        attn = {r.get("attn") for r in calibration.rows}
+        basis += f" (layers timed with --attn {', '.join(sorted(map(str, attn)))} on {calibration.device}, " \
+                 f"{calibration.date}{'; ' + '; '.join(sorted(notes)) if notes else ''})"
     return StepTime(stages=stages, pipeline_s=pipeline, bubble_s=bubble, dp_exposed_s=dp_exposed,
                     dp_total_s=dp_total, optimizer_s=opt, step_s=step, tokens_per_s_per_gpu=tps, mfu=mfu,
                     basis=basis)
