@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_glm5.errors import UserError
-from megatron_glm5.topk_indices import TOPK_DTYPE  # senders cast to it: the receiver allocates it unseen
+from megatron_glm5.ops.reference import TOPK_DTYPE  # senders cast to it: the receiver allocates it unseen
 
 # ---------------------------------------------------------------------------------------------------------------
 # Layout: which chunk receives and sends which top-k (no communication)

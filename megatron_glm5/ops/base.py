@@ -2,7 +2,7 @@
 padding and the one sparse-MLA autograd Function the GPU backends plug their kernels into.
 
 Every backend offers the three ops of ``megatron_glm5.ops.reference`` with the same signatures: ``indexer_topk``,
-``sparse_mla`` and ``indexer_kl_loss``.  This module imports torch only (no triton, tilelang or GPU library), so the
+``sparse_mla`` and ``indexer_kl_loss``.  This module imports torch and the reference ops only (no triton, tilelang or GPU library), so the
 registry (``registry.py``) stays importable anywhere.  docs/design.md, "Attention backends", says what runs where.
 """
 
@@ -12,6 +12,8 @@ import logging
 from typing import Optional, Set, Tuple
 
 import torch
+
+from .reference import TOPK_DTYPE
 
 __all__ = [
     "AttentionBackend",
@@ -98,8 +100,8 @@ def warn_once(backend: str, why: str, using: str = "the Triton backend") -> None
 
 
 def pad_topk(indices: torch.Tensor, align: int = TOPK_ALIGN) -> torch.Tensor:
-    """int32 [T, K'] with K' the next multiple of align, new slots -1 (unused)."""
-    indices = indices.to(torch.int32)
+    """TOPK_DTYPE (int32) [T, K'] with K' the next multiple of align, new slots -1 (unused)."""
+    indices = indices.to(TOPK_DTYPE)
     k = indices.shape[1]
     k_pad = max(align, -(-k // align) * align)
     if k_pad != k:

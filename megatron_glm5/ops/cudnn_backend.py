@@ -194,7 +194,7 @@ class CudnnBackend(AttentionBackend):
         dsa = import_dsa()
         dev = q_idx.device
         n_q = q_idx.shape[0]
-        out = torch.full((n_q, topk), -1, dtype=torch.int32, device=dev)
+        out = torch.full((n_q, topk), -1, dtype=reference.TOPK_DTYPE, device=dev)
         ks = key_start.reshape(-1).to(dev, torch.int64)
         qe = query_end.reshape(-1).to(dev, torch.int64)
         # the step's one host copy of the windows (shared by every layer): plans the chunks without a sync per layer
@@ -236,7 +236,7 @@ class CudnnBackend(AttentionBackend):
         cols = cols.gather(1, order)
         n_valid = inside.sum(dim=1, keepdim=True)
         slot = torch.arange(k_sel, device=dev)[None, :]
-        out[c0:c1, :k_sel] = torch.where(slot < n_valid, cols + lo, torch.full_like(cols, -1)).to(torch.int32)
+        out[c0:c1, :k_sel] = torch.where(slot < n_valid, cols + lo, torch.full_like(cols, -1)).to(reference.TOPK_DTYPE)
 
     # -- sparse MLA ------------------------------------------------------------------------------------------------
 

@@ -30,6 +30,10 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+#: the one dtype of top-k index tensors [T, width] (global key rows, -1 in unused slots): every producer (the
+#: backends' indexer_topk, the pipeline stages' receive buffer in model/pipeline_topk.py) makes or casts to it
+TOPK_DTYPE = torch.int32
+
 __all__ = [
     "CHUNK_BUDGET",
     "indexer_topk",
@@ -264,7 +268,7 @@ def indexer_topk(
     n_q, n_heads, _ = q_idx.shape
     n_k = k_idx.shape[0]
     topk = int(topk)
-    out = torch.full((n_q, topk), -1, dtype=torch.int32, device=q_idx.device)
+    out = torch.full((n_q, topk), -1, dtype=TOPK_DTYPE, device=q_idx.device)
     if n_q == 0 or topk <= 0:
         return out
     cdt = _compute_dtype(q_idx, k_idx, weights)
@@ -279,7 +283,7 @@ def indexer_topk(
         pos = _deterministic_topk(z, k)
         slot = torch.arange(k, device=pos.device)
         sel = torch.where(slot[None, :] < n_valid[c0:c1, None], pos + lo, torch.full_like(pos, -1))
-        out[c0:c1, :k] = sel.to(torch.int32)
+        out[c0:c1, :k] = sel.to(TOPK_DTYPE)
     return out
 
 
@@ -563,11 +567,11 @@ def indexer_scores_naive(q_idx: Tensor, k_idx: Tensor, weights: Tensor, softmax_
 @torch.no_grad()
 def indexer_topk_naive(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale) -> Tensor:
     scores = indexer_scores_naive(q_idx, k_idx, weights, softmax_scale).cpu()
-    out = torch.full((q_idx.shape[0], topk), -1, dtype=torch.int32)
+    out = torch.full((q_idx.shape[0], topk), -1, dtype=TOPK_DTYPE)
     for t in range(q_idx.shape[0]):
         lo, hi = int(key_start[t]), int(query_end[t])
         cand = sorted(range(lo, hi + 1), key=lambda j: (-float(scores[t, j]), j))[:topk]
-        out[t, :len(cand)] = torch.tensor(cand, dtype=torch.int32)
+        out[t, :len(cand)] = torch.tensor(cand, dtype=TOPK_DTYPE)
     return out.to(q_idx.device)
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import triton_interpret_compat
-from .reference import windows
+from .reference import TOPK_DTYPE, windows
 
 triton_interpret_compat.apply()
 
@@ -87,7 +87,7 @@ def chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys):
     check_shapes(q_idx, k_idx, weights)
     n_q, n_k = q_idx.shape[0], k_idx.shape[0]
     topk = int(topk)
-    out = torch.full((n_q, topk), -1, dtype=torch.int32, device=q_idx.device)
+    out = torch.full((n_q, topk), -1, dtype=TOPK_DTYPE, device=q_idx.device)
     if n_q == 0 or topk <= 0:
         return out
     win = windows(key_start, query_end, n_q, n_k)
@@ -111,7 +111,7 @@ def chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys):
             pos = 4294967295 - (best & 4294967295) + lo
             slot = torch.arange(k, device=pos.device)
             sel = torch.where(slot[None, :] < n_valid[c0:c0 + rows, None], pos, torch.full_like(pos, -1))
-            out[c0:c0 + rows, :k] = sel.to(torch.int32)
+            out[c0:c0 + rows, :k] = sel.to(TOPK_DTYPE)
         c0 += rows
     return out
 
