@@ -187,6 +187,13 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return help_text + " (default: %(default)s)"
 
 
+_HELP_EXAMPLE = {
+    "finetune": "--config examples/recipes/glm5.3_sft_32x8.yaml",
+    "pretrain": "--preset glm5.3 --data-path 0.7 data/corpus_a 0.3 data/corpus_b --tokenizer /models/GLM-5.3 "
+                "--ep 8 --bf16",
+}
+
+
 def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
     """The argparse parser of ``<mode>_glm5.py`` (``mode`` is "finetune" or "pretrain")."""
     if mode not in MODES:
@@ -198,7 +205,7 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
         description=(
             f"{'Fine-tune (SFT)' if finetune else 'Pretrain'} a GLM-5 model on megatron-core.  With no flags: a tiny "
             f"CPU run on the shipped data.  Launch multi-GPU runs with torchrun, e.g.\n"
-            f"  torchrun --nproc-per-node=8 {prog} --config examples/recipes/glm5.3_sft_32x8.yaml"
+            f"  torchrun --nproc-per-node=8 {prog} {_HELP_EXAMPLE[mode]}"
         ),
         formatter_class=_HelpFormatter,
         allow_abbrev=False,
@@ -355,10 +362,18 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", default=None, metavar="DIR",
-                   help=f"checkpoint directory (default: runs/{mode}_<preset>, e.g. runs/{mode}_tiny)")
+                   help=f"this run's directory: checkpoints, TensorBoard events, metrics (default: a new "
+                        f"runs/{mode}_<preset>/<date-time> per run; with --load of a run directory, that one). "
+                        "A directory holds one run: a new run there is refused unless --overwrite")
     g.add_argument("--no-save", action="store_true", help="do not write checkpoints")
     g.add_argument("--load", default=None, metavar="DIR", help="checkpoint to resume from (or start from, "
                    "with --finetune)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --save (without --save: the newest run under "
+                        f"runs/{mode}_<preset>/) from its latest checkpoint")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start a new run in a --save directory that holds another run: that run's checkpoints, "
+                        "events and metrics are deleted first")
     g.add_argument("--save-interval", type=_pos_int, default=100, metavar="N", help="iterations between saves")
     g.add_argument("--finetune", action="store_true",
                    help="load only the weights from --load (fresh optimizer, scheduler and iteration count)")
@@ -390,12 +405,21 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
                    help="iterations between evaluations")
     g.add_argument("--eval-iters", type=_nonneg_int, default=10, metavar="N",
                    help="micro-batch rounds per evaluation (0 disables evaluation)")
+    g.add_argument("--eval-only", action="store_true",
+                   help="evaluate --load on the validation data (loss and perplexity) and exit: no training, "
+                        "nothing written")
+    g.add_argument("--verbose", action="store_true",
+                   help="show every library warning and log line (by default warnings that carry nothing for "
+                        "the user are filtered once, at their source)")
     g.add_argument("--peak-tflops", type=_pos_float, default=None, metavar="X",
                    help=f"per-GPU peak TFLOP/s for MFU (default: {DEFAULT_PEAK_TFLOPS:g} on a GPU, the dense bf16 "
                         "peak of an H100/H200; no MFU on CPU)")
 
     g = p.add_argument_group("misc")
     g.add_argument("--seed", type=_nonneg_int, default=1234, metavar="N", help="random seed")
+    g.add_argument("--distributed-timeout-minutes", type=_pos_float, default=10.0, metavar="MIN",
+                   help="timeout of collectives; a rank that makes no progress for this long names the ranks it "
+                        "waits for and the job stops with exit status 3")
     g.add_argument("--config", default=None, metavar="FILE.yaml",
                    help="YAML mapping of flag: value used as defaults (command-line flags override it)")
     return p
@@ -573,10 +597,18 @@ def parse_args(argv: Optional[Sequence[str]] = None, mode: str = "finetune") -> 
     args.mode = mode
     if mode == "pretrain":
         args.packing = True  # pretraining always concatenates documents into --seq-length rows
+    args.save_is_default = False
     if args.no_save:
         args.save = None
     elif not args.save:
-        args.save = os.path.join("runs", f"{mode}_{_model_slug(args)}")
+        from megatron_glm5.training.run_dir import default_run_root, read_run, run_dir_of_load
+
+        continued = run_dir_of_load(args.load) if args.load and not args.finetune and not args.resume else None
+        if continued is not None and read_run(continued) is not None:
+            args.save = continued  # --load of a run directory continues that run in place
+        else:  # a fresh directory per run under this root (run_dir.claim picks the name)
+            args.save = default_run_root(mode, _model_slug(args))
+            args.save_is_default = True
     if args.node_size is None:
         env = os.environ.get("LOCAL_WORLD_SIZE", "")
         if env.strip().isdigit() and int(env) > 0:
@@ -1037,6 +1069,16 @@ def _check_data(args: argparse.Namespace) -> Dict[str, Any]:
 def _check_checkpoints_and_logging(args: argparse.Namespace, cuda: bool) -> Dict[str, Any]:
     if args.finetune and not args.load:
         raise ArgumentError("--finetune needs --load (the checkpoint whose weights to start from)", flag="--finetune")
+    if args.eval_only and not (args.load or args.resume):
+        raise ArgumentError("--eval-only needs --load (the checkpoint to evaluate)", flag="--eval-only")
+    if args.eval_only and args.eval_iters == 0:
+        raise ArgumentError("--eval-only with --eval-iters 0 evaluates nothing", flag="--eval-iters")
+    if args.resume and args.finetune:
+        raise ArgumentError("--resume continues a run (model, optimizer, schedule); --finetune starts a new one "
+                            "from --load's weights: choose one", flag="--resume")
+    if args.overwrite and args.resume:
+        raise ArgumentError("--overwrite deletes the run in --save; --resume continues it: choose one",
+                            flag="--overwrite")
     tensorboard_dir = args.tensorboard_dir
     if tensorboard_dir is None and args.save:
         tensorboard_dir = os.path.join(args.save, "tensorboard")

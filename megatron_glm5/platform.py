@@ -19,6 +19,8 @@ This module must not import ``megatron.core`` at module level.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import math
 import os
 import sys
 from typing import List, Optional
@@ -127,7 +129,7 @@ def _expected_world_size() -> int:
     return 1
 
 
-def _init_process_group(backend: Optional[str]) -> None:
+def _init_process_group(backend: Optional[str], timeout_minutes: Optional[float] = None) -> None:
     global _OWNS_PROCESS_GROUP, _STORE
     dist = torch.distributed
     if dist.is_initialized():
@@ -136,12 +138,13 @@ def _init_process_group(backend: Optional[str]) -> None:
         backend = "nccl" if HAS_CUDA else "gloo"
     if HAS_CUDA:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = {} if timeout_minutes is None else {"timeout": datetime.timedelta(minutes=timeout_minutes)}
     if _launcher_env():
-        dist.init_process_group(backend=backend, init_method="env://")
+        dist.init_process_group(backend=backend, init_method="env://", **timeout)
     else:
         # Port 0: the store binds a free port itself (no find-then-bind race).
         _STORE = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)
-        dist.init_process_group(backend=backend, store=_STORE, world_size=1, rank=0)
+        dist.init_process_group(backend=backend, store=_STORE, world_size=1, rank=0, **timeout)
     _OWNS_PROCESS_GROUP = True
 
 
@@ -171,6 +174,7 @@ def initialize_model_parallel(
     vpp: Optional[int] = None,
     seed: int = 1234,
     backend: Optional[str] = None,
+    timeout_minutes: Optional[float] = None,
 ) -> ParallelSizes:
     """Set up torch.distributed + megatron parallel state + RNG in one call.
 
@@ -189,7 +193,7 @@ def initialize_model_parallel(
     """
     apply_pre_import_shims()
     sizes = _validate_sizes(_expected_world_size(), tp, pp, ep, etp, cp, vpp)
-    _init_process_group(backend)
+    _init_process_group(backend, timeout_minutes)
     if torch.distributed.get_world_size() != sizes.world_size:  # WORLD_SIZE env disagreed
         sizes = _validate_sizes(torch.distributed.get_world_size(), tp, pp, ep, etp, cp, vpp)
     apply_cpu_shims()
@@ -209,6 +213,7 @@ def initialize_model_parallel(
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=sizes.etp,
+        **({} if timeout_minutes is None else {"distributed_timeout_minutes": int(math.ceil(timeout_minutes))}),
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

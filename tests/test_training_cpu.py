@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from training_helpers import (assert_user_error, check_ok, describe, event_scalars, latest_iteration, read_metrics,
-                              run_entries, run_entry, series, start_entry)
+from training_helpers import (assert_user_error, check_ok, describe, event_scalars, latest_iteration, only_run_dir,
+                              read_metrics, run_entries, run_entry, series, start_entry)
 
 from megatron_glm5.data import TINY_CHAT_TRAIN, TINY_TOKENIZER_DIR
 
@@ -399,7 +399,7 @@ def test_default_finetune_run_trains_and_saves(tmp_path):
     validation loss at the last evaluation at least 30% below iteration 0's."""
     proc, workdir = _first_run("test_default_finetune_run_trains_and_saves", tmp_path)
     check_ok(proc)
-    save = workdir / "runs" / "finetune_tiny"
+    save = only_run_dir(workdir / "runs" / "finetune_tiny")  # each run without --save gets its own directory
     assert (save / "iter_0000300" / "metadata.json").is_file(), describe(proc)
     assert latest_iteration(save) == 300
     assert not list(save.glob("*.partial"))

@@ -2,7 +2,7 @@
 
     proc = run_entry("finetune", ["--train-iters", "4"], cwd=tmp_path)      # CompletedProcess (text)
     a, b = run_entries([("finetune", [...], dir_a), ("finetune", [...], dir_b)])  # concurrently
-    records = read_metrics(tmp_path / "runs/finetune_tiny/tensorboard")      # metrics.jsonl, one dict per line
+    records = read_metrics(only_run_dir(tmp_path / "runs/finetune_tiny") / "tensorboard")  # metrics.jsonl
     losses = series(records, "lm-loss")                                     # {iteration: value}
     ea = event_scalars(tb_dir)                                              # tensorboard EventAccumulator
 
@@ -102,6 +102,13 @@ def event_scalars(tensorboard_dir):
     ea = EventAccumulator(str(tensorboard_dir), size_guidance={"scalars": 0})
     ea.Reload()
     return ea
+
+
+def only_run_dir(root) -> Path:
+    """The one run directory a run without --save made under runs/<mode>_<model>/ (a new one per run)."""
+    runs = sorted(p for p in Path(root).iterdir() if (p / "run.json").is_file())
+    assert len(runs) == 1, f"expected one run directory under {root}, found {[p.name for p in runs]}"
+    return runs[0]
 
 
 def latest_iteration(save_dir) -> int:

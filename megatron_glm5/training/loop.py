@@ -169,11 +169,32 @@ def evaluate(args, model, valid):
 
 def train(args) -> int:
     """Run training as configured by parsed and validated ``args``. Returns the process exit code."""
+    session = _Session()
     try:
-        return _train(args)
+        return _train(args, session)
     finally:
+        session.close()
         fault_hooks.end_run()
         _reset_process_globals()
+
+
+class _Session:
+    """What a run holds while it lives and lets go of at its end, however it ends: its directory's lock and the
+    watchdog thread."""
+
+    def __init__(self):
+        self.run = None
+        self.watchdog = None
+
+    def beat(self, iteration: int, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(iteration, phase)
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.run is not None:
+            self.run.release()
 
 
 def _reset_process_globals() -> None:
@@ -184,7 +205,7 @@ def _reset_process_globals() -> None:
     MTPLossLoggingHelper.tracker.clear()
 
 
-def _train(args) -> int:
+def _train(args, session: "_Session") -> int:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
     from megatron_glm5.data.tokenizer import load_tokenizer
@@ -193,6 +214,9 @@ def _train(args) -> int:
     from megatron_glm5.data.jsonl import SKIPPED_SAMPLES
     from megatron_glm5.training.data import build_streams
     from megatron_glm5.training.optim import build_optimizer, build_scheduler
+    from megatron_glm5.training import run_dir
+    from megatron_glm5.training.run_summary import RunSummary
+    from megatron_glm5.training.watchdog import Watchdog
 
     from megatron_glm5.mcore_patches import registry as mcore_patches
     from megatron_glm5.mcore_patches.record import Phase
@@ -203,7 +227,15 @@ def _train(args) -> int:
     platform.initialize_model_parallel(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
         ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
-        cp=args.context_parallel_size, vpp=args.virtual_pipeline_model_parallel_size, seed=args.seed)
+        cp=args.context_parallel_size, vpp=args.virtual_pipeline_model_parallel_size, seed=args.seed,
+        timeout_minutes=args.distributed_timeout_minutes)
+    if dist.get_world_size() > 1:  # a rank that stops progressing names the ranks it waits for (watchdog.py)
+        session.watchdog = Watchdog(args.distributed_timeout_minutes * 60, dist.get_rank(), dist.get_world_size())
+    if args.eval_only:
+        args.save = None  # an evaluation writes nothing
+        args.tensorboard_dir = None
+    else:
+        session.run = run_dir.claim(args)  # this run's directory: fresh, or the run it continues (run_dir.py)
 
     try:
         tokenizer = load_tokenizer(args.tokenizer)
@@ -224,6 +256,7 @@ def _train(args) -> int:
         config.grad_sync_func = [m.start_grad_sync for m in model]
 
     iteration, data_state = 0, {}
+    session.beat(0, "load")
     if args.load:
         resumed = checkpointing.load_checkpoint(args.load, [m.module for m in model], optimizer, scheduler, args)
         iteration, data_state = resumed["iteration"], resumed["data_state"]
@@ -237,14 +270,30 @@ def _train(args) -> int:
     spikes = numerics.LossSpikeDetector(args.loss_spike_threshold, args.loss_spike_window)
     faults = fault_hooks.start_run()  # no-op hooks unless a test injects faults (fault_hooks.py)
     logger.summary(model)
+    if args.eval_only:
+        return _evaluate_only(args, model, valid, logger, iteration)
+    summary = RunSummary(iteration, args.global_batch_size * args.seq_length)
+    if iteration >= args.train_iters:
+        log.warning("nothing to train: the checkpoint is at iteration %d and --train-iters is %d; raise "
+                    "--train-iters to continue, or evaluate it with --eval-only", iteration, args.train_iters)
+        logger.close()
+        if logger.is_logger:
+            _log_summary(args, summary, time.time() - start_time)
+        return 0
 
     saver = checkpointing.CheckpointSaver(args)  # logs "saved checkpoint ..." once a checkpoint is complete
 
     def save(it):
         saver.save(it, [m.module for m in model], optimizer, scheduler, {"consumed_train": train_stream.consumed})
 
+    def run_eval(it):
+        session.beat(it, "eval")
+        loss = evaluate(args, model, valid)
+        logger.eval(it, loss)
+        summary.note_eval(it, loss)
+
     if valid is not None and args.eval_interval and iteration == 0:
-        logger.eval(0, evaluate(args, model, valid))
+        run_eval(0)
     for m in model:
         m.train()
     exit_code = 0
@@ -255,6 +304,7 @@ def _train(args) -> int:
         optimizer.zero_grad()
         metrics.before_step()
         faults.start_step(iteration + 1)
+        session.beat(iteration + 1, "step")
         outputs = _run_microbatches(args, model, train_stream, forward_only=False,
                                     num_microbatches=args.num_microbatches)
         faults.after_backward(model)
@@ -264,6 +314,7 @@ def _train(args) -> int:
         if ok:  # the LR schedule follows applied updates; a skipped step still consumed its data
             scheduler.step(increment=args.global_batch_size)
         iteration += 1
+        summary.note_iteration(iteration)
         lm_loss = _reduce_lm_loss(outputs) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
         logger.loss_spike(iteration, lm_loss, spikes.update(iteration, lm_loss))
         logger.step(iteration, lm_loss, grad_norm, ok, time.time() - t0, optimizer, lr=step_lr)
@@ -271,7 +322,7 @@ def _train(args) -> int:
         guard.after_step(iteration, ok)  # raises after --max-skipped-steps skips in a row
 
         if args.eval_interval and valid is not None and iteration % args.eval_interval == 0:
-            logger.eval(iteration, evaluate(args, model, valid))
+            run_eval(iteration)
         stop = exit_signal.any_rank()
         if args.exit_interval and iteration % args.exit_interval == 0:
             stop = True
@@ -281,13 +332,46 @@ def _train(args) -> int:
             stop = stop or elapsed.item() > args.exit_duration_in_mins
         if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)
                           or iteration == args.train_iters):
+            session.beat(iteration, "save")
             save(iteration)
         if stop:
             log.info("exiting at iteration %d", iteration)
             break
+    session.beat(iteration, "save")
     saver.wait()  # --async-save: the pending checkpoint completes before exit
     if valid is not None and iteration == args.train_iters and args.eval_interval and iteration % args.eval_interval:
-        logger.eval(iteration, evaluate(args, model, valid))
+        run_eval(iteration)
     logger.close()
     SKIPPED_SAMPLES.log_summary()
+    if logger.is_logger:
+        _log_summary(args, summary, time.time() - start_time)
     return exit_code
+
+
+def _log_summary(args, summary, seconds: float) -> None:
+    from megatron_glm5.checkpoint import format as ckpt_format
+
+    latest = ckpt_format.read_latest(args.save) if args.save else None
+    if latest is not None:
+        summary.note_checkpoint(ckpt_format.iteration_dir(args.save, latest))
+    launcher = f"{args.mode}_glm5.py"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        launcher = f"-m torch.distributed.run --nproc-per-node {dist.get_world_size()} {launcher}"
+    for line in summary.lines(seconds, args.save, args.tensorboard_dir, launcher):
+        log.info("%s", line)
+
+
+def _evaluate_only(args, model, valid, logger, iteration: int) -> int:
+    """--eval-only: validation loss and perplexity of the loaded checkpoint, nothing written."""
+    import math
+
+    if valid is None:
+        from megatron_glm5.errors import UserError
+        raise UserError("--eval-only: no validation data (give --valid-data-path, or a --split with a "
+                        "validation part)")
+    loss = evaluate(args, model, valid)
+    if logger.is_logger and loss is not None:
+        log.info("evaluation of %s (iteration %d): lm loss %.4f | ppl %.2f | %d rounds of %d sequences",
+                 args.load, iteration, loss, math.exp(min(loss, 50)), args.eval_iters, args.global_batch_size)
+    logger.close()
+    return 0

@@ -34,6 +34,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
+from megatron_glm5.checkpoint import format as ckpt_format
 from megatron_glm5.errors import UserError
 
 log = logging.getLogger("megatron_glm5.run")
@@ -44,7 +45,7 @@ RUN_FORMAT = 1
 # config fields that do not change the function the model computes (generation ids, the init scale, the source dict)
 _NON_FUNCTIONAL_FIELDS = ("raw", "initializer_range", "bos_token_id", "eos_token_id")
 # what a run directory's previous run leaves, removed by --overwrite (names inside the directory)
-_RUN_ARTIFACTS = ("latest_checkpointed_iteration.txt", "tensorboard", RUN_FILE)
+_RUN_ARTIFACTS = (ckpt_format.LATEST, "tensorboard", RUN_FILE)
 
 
 class RunDirectoryError(UserError):
@@ -86,18 +87,23 @@ def read_run(path: str) -> Optional[Dict[str, Any]]:
 
 
 def _checkpoint_names(path: str) -> List[str]:
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return []
-    return sorted(n for n in names if n.startswith("iter_"))
+    """Complete and partial checkpoint directories of a run directory."""
+    names = [os.path.basename(p) for _, p in ckpt_format.complete_dirs(path)]
+    return sorted(names + [os.path.basename(p) for p in ckpt_format.partial_dirs(path)])
 
 
 def holds_run(path: str) -> bool:
     """True when ``path`` holds a run: its record, checkpoints, the latest pointer or metrics."""
     return (read_run(path) is not None or bool(_checkpoint_names(path))
-            or os.path.exists(os.path.join(path, "latest_checkpointed_iteration.txt"))
+            or os.path.exists(os.path.join(path, ckpt_format.LATEST))
             or os.path.exists(os.path.join(path, "tensorboard", "metrics.jsonl")))
+
+
+def run_dir_of_load(load: str) -> Optional[str]:
+    """The run directory a --load names: the directory itself, or the parent of an ``iter_XXXXXXX`` directory."""
+    if ckpt_format.iteration_of(load) is not None:
+        return os.path.dirname(os.path.normpath(load)) or "."
+    return load
 
 
 def newest_run(root: str) -> Optional[str]:
@@ -124,17 +130,9 @@ def fresh_run_dir(root: str, now: Optional[float] = None) -> str:
     return path
 
 
-def _same_dir(a: Optional[str], b: str) -> bool:
-    return bool(a) and os.path.realpath(a) == os.path.realpath(b)
-
-
 def _load_is_inside(load: Optional[str], save: str) -> bool:
     """--load names the run directory itself or one of its iteration directories."""
-    if not load:
-        return False
-    load = os.path.realpath(load)
-    save = os.path.realpath(save)
-    return load == save or os.path.dirname(load) == save
+    return bool(load) and os.path.realpath(run_dir_of_load(load)) == os.path.realpath(save)
 
 
 class RunDirectory:
@@ -152,6 +150,7 @@ class RunDirectory:
     def release(self) -> None:
         if self._lock_fd is not None:
             try:
+                os.ftruncate(self._lock_fd, 0)  # a clean end leaves no holder behind (a crash leaves its line)
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             finally:
                 os.close(self._lock_fd)
@@ -174,7 +173,8 @@ def _lock(path: str) -> int:
         raise
     previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
     if previous:
-        log.info("run directory %s: taking over a stale lock (%s)", path, previous)
+        log.warning("run directory %s: taking over the lock of a run that ended without releasing it (%s)",
+                    path, previous)
     text = f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
     os.ftruncate(fd, 0)
     os.pwrite(fd, text.encode(), 0)
@@ -206,7 +206,7 @@ def _remove_previous_run(path: str) -> None:
 
 
 def _summary(record: Optional[Dict[str, Any]], path: str) -> str:
-    its = [int(n[5:]) for n in _checkpoint_names(path) if n[5:].isdigit()]
+    its = [it for it, _ in ckpt_format.complete_dirs(path)]
     parts = []
     if record:
         parts.append(f"run {record['run_id']} ({record.get('mode', '?')}, started {record.get('started', '?')})")
