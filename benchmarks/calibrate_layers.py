@@ -104,6 +104,18 @@ def main(argv=None) -> int:
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else pyplatform.processor() or "cpu"
+    command = "python benchmarks/calibrate_layers.py " + " ".join(map(shlex.quote, sys.argv[1:] if argv is None
+                                                                     else argv))
+
+    def write():  # after every layer configuration: an interrupted run keeps what it measured
+        if not a.out:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w", encoding="utf-8") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "device": device_name, "command": command,
+                       "torch": torch.__version__, "rows": rows}, f, indent=1)
+
     for kind in a.kinds:
         for local in (a.local_experts if kind == "moe" else [0]):
             per_depth = {}
@@ -133,14 +145,8 @@ def main(argv=None) -> int:
                     print(f"{kind:5} L={row['local_experts'] or '-':>4} T={t:5} recompute={'on ' if rc else 'off'} "
                           f"layer {row['fwd_bwd_ms']:8.2f} ms (models {one['ms']:.1f} / {two['ms']:.1f}, spread "
                           f"{row['spread_ms']:.2f})  peak +{row['peak_mib']:8.0f} MiB", flush=True)
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else pyplatform.processor() or "cpu"
-    table = {"date": datetime.date.today().isoformat(), "device": device_name,
-             "command": "python benchmarks/calibrate_layers.py " + " ".join(map(shlex.quote, argv or sys.argv[1:])),
-             "torch": torch.__version__, "rows": rows}
+            write()
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=1)
         print(f"wrote {a.out}")
     return 0
 
