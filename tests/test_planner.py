@@ -201,6 +201,7 @@ def test_calibration_table_replaces_the_estimate(tmp_path, monkeypatch):
                   "--decoder-last-pipeline-num-layers", "18", "--ep", "64", "--seq-length", "4096",
                   "--micro-batch-size", "1", "--global-batch-size", "512", "--recompute-granularity", "full",
                   "--use-distributed-optimizer", "--bf16"], world=256)
+    monkeypatch.setattr(calibration, "table_path", lambda name: str(tmp_path / "none.json"))
     estimate = make_plan(args, GPUS["h200-141gb"])
     assert estimate.calibration is None and estimate.time.basis.startswith("ESTIMATE")
     rows = [{"layer": kind, "local_experts": 8 if kind == "moe" else None, "tokens": t, "recompute": True,

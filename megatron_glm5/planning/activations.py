@@ -69,10 +69,12 @@ def dispatch_buffer_bytes_per_token(cfg, tp: int) -> float:
     return 2 * cfg.num_experts_per_tok * cfg.hidden_size * BF16 / tp
 
 
-def loss_bytes_per_token(cfg, tp: int) -> float:
-    """One LM head (main or MTP): the bf16 logits, their fp32 copy in the vocabulary-parallel cross-entropy (kept
-    for backward as the softmax) and its fp32 gradient, per token, over V/tp columns."""
-    return cfg.vocab_size / tp * (BF16 + FP32 + FP32)
+def loss_bytes_per_token(cfg, tp: int, heads: int) -> float:
+    """The LM head(s) (main + MTP) per token over V/tp columns: megatron-core's vocabulary-parallel cross-entropy
+    takes ``logits.float()`` and keeps its softmax (fp32, computed in place) for backward, so each head keeps 4
+    bytes; the bf16 logits (2 bytes) live only while the fp32 copy is made, and in backward the fp32 gradient is
+    the softmax buffer itself, cast back to bf16 (2 bytes) for the output layer."""
+    return cfg.vocab_size / tp * (FP32 * heads + BF16)
 
 
 def recomputed_layers(n_layers: int, granularity, method, num_layers) -> Iterable[bool]:

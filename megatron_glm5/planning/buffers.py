@@ -131,6 +131,7 @@ class StaticMemory:
     optimizer_main_bytes: int
     optimizer_moment_bytes: int
     optimizer_elements: Dict[str, int]  # elements this rank's optimizer steps, by kind
+    optimizer_expert_elements: int  # of which in expert-parallel buffers (megatron-core's second, chained optimizer)
     buckets: List[Tuple[str, int]]  # (buffer, bucket elements) for the data-parallel collectives
 
     @property
@@ -145,6 +146,7 @@ def static_memory(buffers: Sequence[Buffer], *, dense_index: int, expert_index: 
     dtype_bytes = 2 if bf16 else 4
     params = {k: 0 for k in KINDS}
     owned_total = {k: 0 for k in KINDS}
+    owned_expert = 0
     weight = param = grad = 0
     buckets: List[Tuple[str, int]] = []
     for b in buffers:
@@ -163,9 +165,11 @@ def static_memory(buffers: Sequence[Buffer], *, dense_index: int, expert_index: 
                 owned[t.kind] += t.numel
         for k, v in owned.items():
             owned_total[k] += v
+        if b.expert:
+            owned_expert += sum(owned.values())
         buckets += [("experts" if b.expert else "dense", e - s) for s, e in b.layout.buckets]
     n_owned = sum(owned_total.values())
     return StaticMemory(params=params, weight_bytes=weight, param_bytes=param, grad_bytes=grad,
                         optimizer_main_bytes=n_owned * MAIN_PARAM_BYTES if bf16 else 0,
                         optimizer_moment_bytes=n_owned * MOMENT_BYTES, optimizer_elements=owned_total,
-                        buckets=buckets)
+                        optimizer_expert_elements=owned_expert, buckets=buckets)

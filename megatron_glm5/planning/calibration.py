@@ -4,7 +4,8 @@ A table is ``calibration_<gpu>.json`` beside this module: ``{"date", "device", "
 per measured configuration: ``layer`` ("dense" or "moe"), ``tokens`` (per micro-batch on the rank),
 ``local_experts``, ``recompute`` (full recompute of the layer or not), ``fwd_bwd_ms`` (median forward + backward,
 recompute included), ``peak_mib`` (the layer's peak allocation above its weights and input) and the shape fields
-(``hidden``, ``seq_length``).  A planner figure taken from a row says so; without a matching row the figure is a
+(``hidden``, ``seq_length``); ``optimizer`` (optional) lists optimizer steps timed by ``planning/measure.py
+--time-optimizer-steps``.  A planner figure taken from a row says so; without a matching row the figure is a
 datasheet estimate (step_time.py) and says that.
 """
 from __future__ import annotations
@@ -29,6 +30,14 @@ class Calibration:
     device: str
     command: str
     rows: List[dict]
+    optimizer: List[dict]  # {"elements", "step_ms", "command"}: megatron-core optimizer steps timed by measure.py
+
+    def optimizer_s_per_element(self) -> Optional[float]:
+        """Seconds per owned element of a measured optimizer step (the largest measured), or None."""
+        if not self.optimizer:
+            return None
+        big = max(self.optimizer, key=lambda o: o["elements"])
+        return big["step_ms"] / 1e3 / big["elements"]
 
     def layer_ms(self, layer: str, tokens: float, local_experts: int, recompute: bool,
                  hidden: int) -> Optional[Tuple[float, str]]:
@@ -62,4 +71,5 @@ def load(gpu_name: str) -> Optional[Calibration]:
         return None
     with open(path, "r", encoding="utf-8") as f:
         d = json.load(f)
-    return Calibration(path=path, date=d["date"], device=d["device"], command=d["command"], rows=d["rows"])
+    return Calibration(path=path, date=d["date"], device=d["device"], command=d["command"], rows=d["rows"],
+                       optimizer=d.get("optimizer", []))

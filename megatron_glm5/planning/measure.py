@@ -6,7 +6,8 @@ DistributedDataParallel and builds the optimizer exactly as training does (``tra
 ``training/optim.py`` ``build_optimizer``, with the Adam state created by ``ensure_optimizer_state``), then writes
 ``<out>/<set>.rank<R>.json`` (sets numbered from 0): its coordinates in the parallel groups, the bytes of its parameters, of its DDP gradient (and distributed-optimizer parameter)
 buffers, of its optimizer's fp32 main copies and Adam moments, and the list of its parameters (name, numel, dtype,
-expert-parallel or not)::
+expert-parallel or not), and with ``--time-optimizer-steps N`` the median time of megatron-core's optimizer step
+(benchmarks/calibrate_layers.py's table carries it for the planner)::
 
     torchrun --nproc-per-node 4 -m megatron_glm5.planning.measure --out DIR -- --preset tiny --tp 2 ... -- --ep 2 ...
 
@@ -26,8 +27,39 @@ def _storage_key(t) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def measure(args) -> Dict:
-    """The allocation figures of this rank (model built, DDP-wrapped, optimizer with its state)."""
+def time_optimizer_step(model, optimizer, steps: int) -> float:
+    """Median ms of ``optimizer.step()`` (megatron-core's: gradient norm, clipping, Adam, copy back to the bf16
+    weights) over ``steps`` steps after one warm-up, on random gradients; CUDA events (host clock on CPU)."""
+    import statistics
+    import time
+
+    import torch
+
+    times = []
+    for i in range(steps + 1):
+        for d in model:
+            for buf in list(d.buffers) + list(d.expert_parallel_buffers):
+                buf.grad_data.normal_()
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            optimizer.step()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            optimizer.step()
+            ms = (time.perf_counter() - t0) * 1e3
+        if i:
+            times.append(ms)
+    return statistics.median(times)
+
+
+def measure(args, time_steps: int = 0) -> Dict:
+    """The allocation figures of this rank (model built, DDP-wrapped, optimizer with its state); with
+    ``time_steps`` also the optimizer step's median time (``optimizer_step_ms``)."""
     import torch.distributed as dist
 
     from megatron_glm5 import platform
@@ -79,8 +111,9 @@ def measure(args) -> Dict:
     coords = dict(pp_rank=ps.get_pipeline_model_parallel_rank(),
                   dense_shard=ps.get_data_parallel_rank(with_context_parallel=True),
                   expert_shard=ps.get_expert_data_parallel_rank())
+    step_ms = time_optimizer_step(model, optimizer, time_steps) if time_steps else None
     del optimizer, model, chunks
-    return dict(rank=dist.get_rank(), **coords, param_bytes=param_bytes, grad_buffer_bytes=grad_bytes,
+    return dict(rank=dist.get_rank(), **coords, optimizer_step_ms=step_ms, param_bytes=param_bytes, grad_buffer_bytes=grad_bytes,
                 param_buffer_bytes=buffer_param_bytes, optimizer_main_param_bytes=main_bytes,
                 optimizer_moment_bytes=moment_bytes, params=params)
 
@@ -95,6 +128,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_glm5.planning.measure")
     p.add_argument("--out", required=True, help="directory for rank<R>.json")
     p.add_argument("--mode", choices=("finetune", "pretrain"), default="finetune")
+    p.add_argument("--time-optimizer-steps", type=int, default=0, metavar="N",
+                   help="also time N optimizer steps on random gradients (median ms in optimizer_step_ms)")
     opts = p.parse_args(argv[:split])
     sets, current = [], None
     for a in argv[split:]:
@@ -107,7 +142,7 @@ def main(argv=None) -> int:
     os.makedirs(opts.out, exist_ok=True)
     for n, flags in enumerate(sets):
         args = validate_args(parse_args(flags, mode=opts.mode), world_size=world, check_device=False)
-        result = measure(args)
+        result = measure(args, opts.time_optimizer_steps)
         with open(os.path.join(opts.out, f"{n}.rank{result['rank']}.json"), "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
         dist.barrier()

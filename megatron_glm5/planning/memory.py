@@ -6,6 +6,12 @@ stage p's layers (the first stage holds PP of them); the interleaved schedule (-
 ``min(M*V, 2*(PP - p - 1) + (V - 1)*PP + 1)`` model chunks' worth (megatron-core's warm-up count plus the one in
 its steady state), each chunk 1/V of the stage's layers.  Under full recompute a covered layer keeps only its input;
 the layer being recomputed in backward materialises everything once (the working set).
+
+The optimizer step has a transient of its own: without Transformer Engine or Apex megatron-core steps with torch's
+AdamW (foreach), whose ``_foreach_sqrt(exp_avg_sq)`` allocates an fp32 copy of every parameter of a param group
+at once; the dense and the expert parameters are two chained optimizers, so the transient is 4 bytes x the larger
+of the two on this rank.  The peak is the weights, gradients and optimizer state plus the larger of the
+forward/backward dynamic memory and that transient (a fused Adam, with TE or Apex, has no such transient).
 """
 from __future__ import annotations
 
@@ -57,7 +63,8 @@ def layer_kept_bytes_per_token(cfg, i, tp, etp, recompute: bool, modules) -> flo
 class RankMemory:
     static: StaticMemory
     activation_bytes: int
-    working_bytes: int  # the largest transient: a recomputed layer + dispatch buffers, or the loss
+    working_bytes: int  # the largest transient of forward/backward: a recomputed layer + dispatch buffers, or the loss
+    optimizer_step_bytes: int  # torch AdamW's foreach temporary during optimizer.step()
     loss_bytes: int
     dispatch_bytes: int
     context_bytes: int
@@ -65,10 +72,15 @@ class RankMemory:
     in_flight: float
 
     @property
+    def dynamic_bytes(self) -> int:
+        """Above the weights, gradients and optimizer state at the peak: forward/backward or the optimizer step."""
+        return max(self.activation_bytes + self.working_bytes, self.optimizer_step_bytes)
+
+    @property
     def tensor_bytes(self) -> int:
         """What tensors hold at the peak (comparable with torch.cuda.max_memory_allocated)."""
         s = self.static
-        return s.weight_bytes + s.grad_bytes + s.optimizer_bytes + self.activation_bytes + self.working_bytes
+        return s.weight_bytes + s.grad_bytes + s.optimizer_bytes + self.dynamic_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -78,7 +90,8 @@ class RankMemory:
         s = self.static
         return {"weights": s.weight_bytes, "gradients": s.grad_bytes, "optimizer_main_params": s.optimizer_main_bytes,
                 "optimizer_moments": s.optimizer_moment_bytes, "activations": self.activation_bytes,
-                "working_set": self.working_bytes, "cuda_context": self.context_bytes,
+                "working_set": self.working_bytes, "optimizer_step_transient": self.optimizer_step_bytes,
+                "peak_dynamic": self.dynamic_bytes, "cuda_context": self.context_bytes,
                 "allocator_margin": self.margin_bytes}
 
 
@@ -104,12 +117,14 @@ def rank_memory(args, layout, chunks, pp_rank: int, static: StaticMemory) -> Ran
                       for i, rc in zip(layers, covered) if rc), default=0.0) * tokens
     loss = 0.0
     if any(c.post_process for c in chunks):
-        heads = 1 + (args.mtp_steps if mtp else 0)
-        loss = act.loss_bytes_per_token(cfg, tp) * tokens * heads
+        loss = act.loss_bytes_per_token(cfg, tp, 1 + (args.mtp_steps if mtp else 0)) * tokens
     working = max(recomputed + dispatch, loss)
     s = static
-    base = s.weight_bytes + s.grad_bytes + s.optimizer_bytes + activation + working
-    margin = FRAGMENTATION * base
-    return RankMemory(static=s, activation_bytes=int(activation), working_bytes=int(working), loss_bytes=int(loss),
-                      dispatch_bytes=int(dispatch), context_bytes=CONTEXT_BYTES, margin_bytes=int(margin),
-                      in_flight=in_flight)
+    expert = s.optimizer_expert_elements
+    step_transient = 4 * max(sum(s.optimizer_elements.values()) - expert, expert)
+    m = RankMemory(static=s, activation_bytes=int(activation), working_bytes=int(working), loss_bytes=int(loss),
+                   optimizer_step_bytes=int(step_transient), dispatch_bytes=int(dispatch),
+                   context_bytes=CONTEXT_BYTES, margin_bytes=0, in_flight=in_flight)
+    m.margin_bytes = int(FRAGMENTATION * m.tensor_bytes)
+    return m
+

@@ -11,7 +11,8 @@ recompute), PP send/recv of the layer boundary; none of these overlap compute in
 no MoE-comm overlap).  Data parallel: reduce-scatter of the fp32 gradients (all-reduce without the distributed
 optimizer) and all-gather of the bf16 parameters; --overlap-grad-reduce hides the reduce-scatter behind the last
 micro-batch's backward and --overlap-param-gather the all-gather behind the first micro-batch's forward (what is
-longer than that window stays exposed).  Pipeline: (M - 1) x the slowest stage + the sum of all stages (fill and
+longer than that window stays exposed).  Optimizer step: the rank's owned elements x the calibration table's
+measured time per element, else OPTIMIZER_BYTES_PER_ELEMENT at the datasheet HBM bandwidth.  Pipeline: (M - 1) x the slowest stage + the sum of all stages (fill and
 drain), the stages' sum divided by V with the interleaved schedule.
 """
 from __future__ import annotations
@@ -23,7 +24,11 @@ from megatron_glm5.planning import comm
 from megatron_glm5.training.flops import layer_forward_flops, training_flops_per_token
 
 DEFAULT_EFFICIENCY = 0.35  # assumed fraction of the datasheet dense bf16 rate a whole layer reaches
-OPTIMIZER_BYTES_PER_ELEMENT = 30  # Adam step: read/write fp32 main, m, v; read fp32 grad; write bf16 param
+# Bytes the optimizer step moves per owned element without a fused Adam (torch AdamW foreach, megatron-core's
+# fallback without TE/Apex): weight decay 8, lerp of m 12, m^2 update 20, sqrt / divide / add eps 24, addcdiv 16,
+# gradient norm 4, clipping 8, copy to the bf16 weights 6 -- about 100.  A calibration table's measured optimizer
+# step replaces it.
+OPTIMIZER_BYTES_PER_ELEMENT = 100
 BF16 = 2
 
 
@@ -146,8 +151,9 @@ def step_time(args, layout, gpu, statics, calibration, efficiency: float = DEFAU
     if args.overlap_param_gather:
         window += slowest / 3 / layout.vpp  # the first micro-batch's forward
     dp_exposed = max(0.0, dp_total - window)
-    opt = max(sum(st.optimizer_elements.values()) for st in statics) * OPTIMIZER_BYTES_PER_ELEMENT / (
-        gpu.hbm_tb_s * 1e12)
+    owned = max(sum(st.optimizer_elements.values()) for st in statics)
+    per_element = calibration.optimizer_s_per_element() if calibration is not None else None
+    opt = owned * (per_element if per_element is not None else OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12))
     step = pipeline + dp_exposed + opt
     tokens = args.global_batch_size * args.seq_length
     tps = tokens / step / layout.world
@@ -165,6 +171,8 @@ def step_time(args, layout, gpu, statics, calibration, efficiency: float = DEFAU
     else:
         basis = (f"partly measured: {measured} layer(s) from the calibration table, {estimated} estimated at "
                  f"{efficiency:g} x the datasheet rate")
+    if per_element is not None:
+        basis += "; optimizer step measured"
     if measured:
         attn = {r.get("attn") for r in calibration.rows}
         basis += f" (layers timed with --attn {', '.join(sorted(map(str, attn)))} on {calibration.device}, " \
