@@ -1,4 +1,4 @@
-"""Full-width GLM-5 layers on a GPU against transformers on the same random weights (device machine only).
+"""Full-width GLM-5 layers on a GPU against transformers on the same random weights (a GPU machine only).
 
 fp32: our model equals transformers' (64 experts so that two fp32 copies fit one GPU).
 bf16: bf16 rounding makes both implementations drift from the exact (fp32) result, and with DSA a tiny score

@@ -365,7 +365,7 @@ S_GPU, TOPK, HI, DI = 4096, 2048, 32, 128
 def _real(name):
     backend = FlashMLABackend() if name == "flashmla" else CudnnBackend()
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU (run on the device machine)")
+        pytest.skip("needs a CUDA GPU")
     try:
         backend.check()
     except base.BackendUnavailable as e:

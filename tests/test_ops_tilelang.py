@@ -371,7 +371,7 @@ def test_backward_builder_rejects_sizes_it_cannot_tile():
 gpu = pytest.mark.gpu
 needs_gpu_tilelang = pytest.mark.skipif(
     not (HAS_TILELANG and HAS_TRITON and torch.cuda.is_available()),
-    reason="needs a CUDA GPU, tilelang and triton (run on the device machine)")
+    reason="needs a CUDA GPU, tilelang and triton")
 S_GPU, TOPK = 4096, 2048
 
 

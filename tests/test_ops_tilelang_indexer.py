@@ -167,7 +167,7 @@ def test_kernel_lowers_and_compiles_for_sm90a(tmp_path, config):
 gpu = pytest.mark.gpu
 needs_gpu_tilelang = pytest.mark.skipif(
     not (HAS_TILELANG and HAS_TRITON and torch.cuda.is_available()),
-    reason="needs a CUDA GPU, tilelang and triton (run on the device machine)")
+    reason="needs a CUDA GPU, tilelang and triton")
 S_GPU, HI, DI, TOPK = 4096, 32, 128, 2048
 CONFIGS = {"default": None, "pipelined": {"num_stages": 2}}
 

@@ -180,7 +180,7 @@ def test_builder_rejects_sizes_it_cannot_tile():
 gpu = pytest.mark.gpu
 needs_gpu_tilelang = pytest.mark.skipif(
     not (importlib.util.find_spec("tilelang") is not None and HAS_TRITON and torch.cuda.is_available()),
-    reason="needs a CUDA GPU, tilelang and triton (run on the device machine)")
+    reason="needs a CUDA GPU, tilelang and triton")
 
 
 def chunked_head_sums(q, kv, idx, scale, lse, chunk=128):

@@ -3,7 +3,7 @@
 CPU part: the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in one subprocess
 (tests/triton_interp_runner.py) at tiny sizes that keep the 576/512 structure as d_v + d_rope = 32 + 16; this
 process builds the inputs and compares with megatron_glm5.ops.reference.
-GPU part (@pytest.mark.gpu): real GLM-5 shapes in bf16 against the fp32 reference; run on the device machine.
+GPU part (@pytest.mark.gpu): real GLM-5 shapes in bf16 against the fp32 reference; run on a GPU machine (python -m pytest -m gpu).
 """
 
 import importlib.util
@@ -191,7 +191,7 @@ def test_backend_registry_and_deterministic_env(monkeypatch):
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()),
-                                reason="needs a CUDA GPU and triton (run on the device machine)")
+                                reason="needs a CUDA GPU and triton")
 S_GPU, H, DQK, DV, TOPK, HI, DI = 4096, 64, 576, 512, 2048, 32, 128
 
 
@@ -335,3 +335,16 @@ def test_gpu_indexer_kl_loss_real_shapes():
         if det:
             det_grads.append(a[1].grad)
     assert torch.equal(det_grads[0], det_grads[1])  # deterministic d_k_idx: bitwise the same run to run
+
+
+def test_head_dims_below_the_dot_minimum_fall_back_on_a_gpu(monkeypatch):
+    """The tiny presets' d_rope 8 cannot go through tl.dot on a GPU (a compile error there; the interpreter does
+    not check): the backend names the reason and uses the reference instead."""
+    from megatron_glm5.ops import triton_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert "below Triton's matrix-multiply minimum of 16" in triton_backend._kernel_dims_reason(d_v=16, d_rope=8)
+    assert triton_backend._kernel_dims_reason(d_v=512, d_rope=64, index_head_dim=128) is None
+    assert "not a power of two" in triton_backend._kernel_dims_reason(d_v=24)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert triton_backend._kernel_dims_reason(d_v=16, d_rope=8) is None  # the interpreter runs tiny shapes

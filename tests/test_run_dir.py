@@ -131,3 +131,22 @@ def test_fingerprint_covers_function_fields_only():
     assert run_dir.model_fingerprint(base.replace(eos_token_id=[7], initializer_range=0.5)) == fp
     record = json.loads(json.dumps(run_dir.model_description(base)))  # JSON-ready
     assert record == run_dir.model_description(base)
+
+
+def test_a_run_that_saved_nothing_is_restarted_by_the_same_model_only(tmp_path):
+    save = tmp_path / "requeued"
+    first = run_dir.claim(_args(tmp_path, save))
+    first.release()  # killed before its first checkpoint: only run.json (and events) are there
+    again = run_dir.claim(_args(tmp_path, save))
+    again.release()
+    assert again.run_id == first.run_id
+    other = GLM5Config.from_preset("tiny").replace(rms_norm_eps=1e-3)
+    with pytest.raises(run_dir.RunDirectoryError, match="already holds"):
+        run_dir.claim(_args(tmp_path, save, model_config=other))
+
+
+def test_a_refused_start_leaves_nothing_behind(tmp_path):
+    save = tmp_path / "never"
+    with pytest.raises(run_dir.RunDirectoryError, match="holds no run to resume"):
+        run_dir.claim(_args(tmp_path, save, resume=True))
+    assert not save.exists()

@@ -7,6 +7,7 @@ libraries do not cover).  triton itself is imported only when a kernel runs.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Callable, Optional
 
 from . import reference
@@ -15,6 +16,24 @@ from .base import AttentionBackend, no_cuda_reason, warn_once
 __all__ = ["TritonBackend", "TRITON_INSTALL"]
 
 TRITON_INSTALL = "pip install 'megatron-glm5[gpu]'"
+#: tl.dot on a GPU needs every operand dimension >= 16 (the interpreter does not check it)
+MIN_DOT_DIM = 16
+
+
+def _kernel_dims_reason(**dims: int) -> Optional[str]:
+    """Why these head dims cannot go through the kernels (not powers of two, or below tl.dot's minimum), or None."""
+    for name, d in dims.items():
+        if d <= 0 or d & (d - 1):
+            return f"{name}={d} is not a power of two"
+    if _on_gpu():
+        for name, d in dims.items():
+            if d < MIN_DOT_DIM:
+                return f"{name}={d} is below Triton's matrix-multiply minimum of {MIN_DOT_DIM}"
+    return None
+
+
+def _on_gpu() -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _pow2_split(dim: int):
@@ -72,9 +91,9 @@ class TritonBackend(AttentionBackend):
         warn_once(self.name, why, using="the torch reference")
 
     def indexer_topk(self, q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=1024):
-        d_i = q_idx.shape[-1]
-        if d_i & (d_i - 1):
-            self._fallback(f"index head dim {d_i} is not a power of two")
+        why = _kernel_dims_reason(index_head_dim=q_idx.shape[-1])
+        if why:
+            self._fallback(why)
             return reference.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale,
                                           chunk_size)
         from . import triton_indexer
@@ -82,9 +101,9 @@ class TritonBackend(AttentionBackend):
         return triton_indexer.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale)
 
     def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
-        d_rope = q.shape[-1] - d_v
-        if indices is not None and (d_v & (d_v - 1) or d_rope <= 0 or d_rope & (d_rope - 1)):
-            self._fallback(f"d_v={d_v} / d_rope={d_rope} are not both powers of two")
+        why = _kernel_dims_reason(d_v=d_v, d_rope=q.shape[-1] - d_v) if indices is not None else None
+        if why:
+            self._fallback(why)
             indices_for_ref = indices
         elif indices is None:  # dense causal mode: no Triton kernel, the reference does it
             indices_for_ref = None
@@ -101,8 +120,11 @@ class TritonBackend(AttentionBackend):
         indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
     ):
         split = _pow2_split(q.shape[-1])
-        d_i = q_idx.shape[-1]
-        if indices is None or split is None or d_i & (d_i - 1):
+        why = None if indices is None or split is None else _kernel_dims_reason(
+            d_v=split[0], d_rope=split[1], index_head_dim=q_idx.shape[-1])
+        if why and indices is not None:
+            self._fallback(why)
+        if indices is None or split is None or why:
             return reference.indexer_kl_loss(
                 q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
                 indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,

@@ -121,13 +121,18 @@ def newest_run(root: str) -> Optional[str]:
 
 
 def fresh_run_dir(root: str, now: Optional[float] = None) -> str:
-    """A new directory name under ``root``: the start time, with a suffix when that name is taken."""
+    """Create a new directory under ``root`` named by the start time (a suffix when that name is taken, also by a
+    run starting at the same moment: the directory is created exclusively) and return it."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
-    path, n = os.path.join(root, stamp), 1
-    while os.path.exists(path):
-        n += 1
-        path = os.path.join(root, f"{stamp}-{n}")
-    return path
+    os.makedirs(root, exist_ok=True)
+    n = 1
+    while True:
+        path = os.path.join(root, stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            n += 1
 
 
 def _load_is_inside(load: Optional[str], save: str) -> bool:
@@ -216,30 +221,39 @@ def _summary(record: Optional[Dict[str, Any]], path: str) -> str:
     return ", ".join(parts)
 
 
-def _decide(args, now: float) -> Dict[str, Any]:
-    """Rank 0's decision: the directory and what to do with it. Raises RunDirectoryError."""
-    save = args.save
+def _directory(args, now: float) -> str:
+    """The run's directory: --save, a fresh one under the default root, or the newest run there for --resume."""
+    if not getattr(args, "save_is_default", False):
+        return args.save
+    if getattr(args, "resume", False):
+        found = newest_run(args.save)
+        if found is None:
+            raise RunDirectoryError(f"--resume: no earlier run under {args.save} to resume; start one without "
+                                    "--resume, or name it with --save DIR")
+        return found
+    return fresh_run_dir(args.save, now)
+
+
+def _decide(args, save: str) -> Dict[str, Any]:
+    """Rank 0's decision, taken under the directory's lock: what to do with it. Raises RunDirectoryError."""
     resume = bool(getattr(args, "resume", False))
-    if getattr(args, "save_is_default", False):
-        root = save
-        if resume:
-            found = newest_run(root)
-            if found is None:
-                raise RunDirectoryError(f"--resume: no earlier run under {root} to resume; start one without "
-                                        "--resume, or name it with --save DIR")
-            save = found
-        else:
-            save = fresh_run_dir(root, now)
     continuing = resume or (_load_is_inside(args.load, save) and not getattr(args, "finetune", False))
     record = read_run(save)
     current = model_description(args.model_config)
     if holds_run(save):
+        same_model = record is None or record.get("model_fingerprint") == model_fingerprint(args.model_config)
+        if continuing and not same_model:
+            raise RunDirectoryError(
+                f"--save {save} holds run {record['run_id']} of another model "
+                f"({describe_difference(record.get('model', {}), current)}); resume it with its own "
+                f"--preset/--hf-config, or start this model in another --save")
         if continuing:
-            if record is not None and record.get("model_fingerprint") != model_fingerprint(args.model_config):
-                raise RunDirectoryError(
-                    f"--save {save} holds run {record['run_id']} of another model "
-                    f"({describe_difference(record.get('model', {}), current)}); resume it with its own "
-                    f"--preset/--hf-config, or start this model in another --save")
+            return {"path": save, "action": "continue", "record": record}
+        if same_model and record is not None and not ckpt_format.complete_dirs(save) \
+                and not getattr(args, "overwrite", False):
+            # the run died before its first checkpoint: running it again (a requeued job) restarts it
+            log.warning("run %s in %s left no complete checkpoint: restarting it from iteration 0",
+                        record["run_id"], save)
             return {"path": save, "action": "continue", "record": record}
         if not getattr(args, "overwrite", False):
             raise RunDirectoryError(
@@ -290,11 +304,14 @@ def claim(args, now: Optional[float] = None) -> Optional[RunDirectory]:
     old_save = args.save
     decision, error, lock_fd = None, None, None
     if _is_rank0():
+        path, created = None, False
         try:
-            decision = _decide(args, now)
-            path = decision["path"]
+            existed = os.path.isdir(args.save) and not getattr(args, "save_is_default", False)
+            path = _directory(args, now)
+            created = not existed and not holds_run(path)
             os.makedirs(path, exist_ok=True)
-            lock_fd = _lock(path)
+            lock_fd = _lock(path)  # decided under the lock: a run starting beside this one waits its turn
+            decision = _decide(args, path)
             if decision["action"] == "overwrite":
                 _remove_previous_run(path)
             record = decision["record"] or _new_record(args, now)
@@ -304,6 +321,8 @@ def claim(args, now: Optional[float] = None) -> Optional[RunDirectory]:
         except (RunDirectoryError, OSError) as e:
             if lock_fd is not None:
                 os.close(lock_fd)
+            if created and path is not None:  # nothing left behind by a refused start
+                shutil.rmtree(path, ignore_errors=True)
             error = e if isinstance(e, RunDirectoryError) else RunDirectoryError(f"--save {old_save}: {e}")
             decision = None
     shared = _broadcast({"decision": decision, "error": str(error) if error else None})

@@ -28,8 +28,12 @@ from harness import BASE_FLAGS, SAVE_INTERVAL, TRAIN_ITERS, Run, last_logged_ite
 MIB = 1 << 20
 
 
+RUN_FILES = ("run.json", "run.lock")  # the run directory's own record and lock (training/run_dir.py)
+
+
 def _dirs(save: Path) -> list:
-    return sorted(p.name for p in save.iterdir()) if save.exists() else []
+    """What a save directory holds besides the run's own record and lock: checkpoints and the pointer."""
+    return sorted(p.name for p in save.iterdir() if p.name not in RUN_FILES) if save.exists() else []
 
 
 def _latest(save: Path):

@@ -1,0 +1,106 @@
+"""A new user's first hour, in one clone: the README's first command, the tiny example scripts, then the first
+command again -- every run's checkpoints and TensorBoard events stay intact and separate. Also the guard under it
+(training/run_dir.py) through the real entry point: a fresh run into a used --save is refused with one line, two
+runs started at once on one --save (the second refused), --overwrite replaces, --resume continues.
+
+Runs are shortened with the scripts' own pass-through flags ("$@") so the whole module stays CI-sized.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from training_helpers import (REPO, assert_user_error, check_ok, describe, entry_env, latest_iteration,
+                              read_metrics, run_entries, run_entry, series)
+
+SHORT = ["--train-iters", "4", "--save-interval", "2", "--eval-interval", "2", "--eval-iters", "1",
+         "--log-interval", "2"]
+
+
+def _fingerprint(run: Path) -> dict:
+    """Every file of a run directory (checkpoints, events, metrics) -> sha256, except its live lock file."""
+    out = {}
+    for p in sorted(run.rglob("*")):
+        if p.is_file() and p.name != "run.lock":
+            out[str(p.relative_to(run))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def _runs(root: Path):
+    return sorted(p for p in root.iterdir() if (p / "run.json").is_file()) if root.is_dir() else []
+
+
+def _script(name: str, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+    """examples/NAME run from a copy of the clone's layout (scripts cd to their repo root)."""
+    return subprocess.run(["bash", str(cwd / "examples" / name), *extra], cwd=cwd, env=entry_env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture
+def clone(tmp_path):
+    """A working copy of the repository's user-facing files (entry scripts, examples, package by symlink)."""
+    root = tmp_path / "clone"
+    root.mkdir()
+    for name in ("finetune_glm5.py", "pretrain_glm5.py", "megatron_glm5", "tools"):
+        os.symlink(REPO / name, root / name)
+    (root / "examples").mkdir()
+    for p in (REPO / "examples").iterdir():
+        os.symlink(p, root / "examples" / p.name)
+    return root
+
+
+@pytest.mark.slow
+def test_readme_command_examples_and_again_keep_every_run(clone):
+    first = check_ok(run_entry("finetune", SHORT, clone))
+    ft_root = clone / "runs" / "finetune_tiny"
+    (run1,) = _runs(ft_root)
+    assert str(run1.relative_to(clone)) in first.stdout + first.stderr  # the directory is printed at start
+    before = _fingerprint(run1)
+
+    sft = _script("tiny_cpu_sft.sh", clone, *SHORT)
+    assert sft.returncode == 0, sft.stderr[-3000:]
+    pre = _script("tiny_cpu_pretrain.sh", clone, *SHORT)
+    assert pre.returncode == 0, pre.stderr[-3000:]
+    again = check_ok(run_entry("finetune", SHORT, clone))
+
+    runs = _runs(ft_root)
+    assert len(runs) == 3, [p.name for p in runs]  # first command, the SFT script, the first command again
+    assert _fingerprint(run1) == before, "a later run changed the first run's files"
+    (pre_run,) = _runs(clone / "runs" / "pretrain_tiny")
+    for run in runs + [pre_run]:
+        assert latest_iteration(run) == 4 and (run / "iter_0000004").is_dir(), describe(again)
+        assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+        assert sorted(series(read_metrics(run / "tensorboard"), "lm-loss")) == [2, 4]  # one run per directory
+
+
+def test_fresh_run_into_a_used_save_is_refused_then_overwrite_and_resume(tmp_path):
+    save = tmp_path / "mine"
+    check_ok(run_entry("finetune", SHORT + ["--save", save], tmp_path))
+    kept = _fingerprint(save)
+    refused = run_entry("finetune", SHORT + ["--save", save, "--lr", "1e-4"], tmp_path)
+    msg = assert_user_error(refused, f"--save {save} already holds run", "iteration 4", "--overwrite")
+    assert "--load" in msg and _fingerprint(save) == kept
+    # continuing it (same model) takes the run's own checkpoint
+    cont = check_ok(run_entry("finetune", ["--train-iters", "6", "--log-interval", "2", "--eval-interval", "2",
+                                           "--eval-iters", "1", "--resume", "--save", save], tmp_path))
+    assert "resumed from" in cont.stdout and latest_iteration(save) == 6
+    other = run_entry("finetune", SHORT + ["--load", save, "--preset", "tiny-indexshare"], tmp_path)
+    assert_user_error(other, "another model")
+    check_ok(run_entry("finetune", SHORT + ["--save", save, "--overwrite"], tmp_path))
+    assert latest_iteration(save) == 4 and not (save / "iter_0000006").exists()
+
+
+def test_two_runs_at_once_on_one_save(tmp_path):
+    save = tmp_path / "both"
+    a, b = run_entries([("finetune", SHORT + ["--save", save], tmp_path),
+                        ("finetune", SHORT + ["--save", save], tmp_path)])
+    ok = [p for p in (a, b) if p.returncode == 0]
+    refused = [p for p in (a, b) if p.returncode != 0]
+    assert len(ok) == 1 and len(refused) == 1, describe(a) + describe(b)
+    msg = assert_user_error(refused[0])
+    assert "another run is using this directory" in msg or "already holds" in msg, msg
+    assert sorted(series(read_metrics(save / "tensorboard"), "lm-loss")) == [2, 4]  # one run's records only
