@@ -2,9 +2,10 @@
 step time and the verdict."""
 from __future__ import annotations
 
+import os
 from typing import List
 
-from megatron_glm5.planning.memory import GIB
+from megatron_glm5.planning.memory import CONTEXT_BYTES, FRAGMENTATION, GIB
 
 
 def _b(n: float) -> str:
@@ -40,7 +41,7 @@ def render(plan) -> str:
     out.append("")
     out.append("per pipeline stage (its worst rank; ranks of a stage differ only in their optimizer shard):")
     head = ("stage", "layers", "dense", "experts", "emb/head", "MTP", "weights", "grads", "optim", "activ",
-            "working", "ctx+margin", "total GiB")
+            "working", "opt-step", "ctx+margin", "total GiB")
     out.append("  " + " ".join(f"{h:>9}" for h in head))
     for r in range(lay.pp):
         w = plan.stage_worst(r)
@@ -49,14 +50,16 @@ def render(plan) -> str:
         cells = (str(r), f"{layers[0]}-{layers[-1]}" if layers else "-", _b(s.params["dense"]),
                  _b(s.params["experts"]), _b(s.params["embedding"]), _b(s.params["mtp"]), _g(s.weight_bytes),
                  _g(s.grad_bytes), _g(s.optimizer_bytes), _g(m.activation_bytes), _g(m.working_bytes),
-                 _g(m.context_bytes + m.margin_bytes), _g(m.total_bytes))
+                 _g(m.optimizer_step_bytes), _g(m.context_bytes + m.margin_bytes), _g(m.total_bytes))
         out.append("  " + " ".join(f"{c:>9}" for c in cells))
     out.append("  weights: bf16 parameters (padded DDP parameter buffer under the distributed optimizer); grads: fp32"
                " (grad_reduce_in_fp32); optim: fp32 main copy + Adam m, v of the rank's shard (dense over DP x CP,")
     out.append(f"  experts over expert DP); activ: kept for backward x micro-batches in flight (1F1B: PP - stage); "
                f"working: the recomputed layer + MoE dispatch buffers, or the logits/loss on the last stage; "
-               f"ctx+margin: CUDA context/NCCL {2.5:g} GiB + 5% allocator margin (assumptions). Activations are "
-               f"an ESTIMATE (planning/activations.py).")
+               f"opt-step: torch AdamW's foreach temporary during the optimizer step; total = weights + grads + "
+               f"optim + max(activ + working, opt-step) + ctx+margin (CUDA context/NCCL {CONTEXT_BYTES / GIB:g} GiB + "
+               f"{FRAGMENTATION:.0%} allocator margin: assumptions). Activations are an ESTIMATE "
+               f"(planning/activations.py; within 1% of 8 one-GPU runs, docs/performance.md).")
     out.append("")
     out.append(f"step time {t.step_s:.2f} s  (pipeline {t.pipeline_s:.2f} s of which bubble {t.bubble_s:.2f} s; "
                f"data-parallel collectives {t.dp_total_s:.2f} s, exposed {t.dp_exposed_s:.2f} s; optimizer "
@@ -70,7 +73,7 @@ def render(plan) -> str:
     out.append(f"  basis: {t.basis}")
     if plan.calibration is not None:
         c = plan.calibration
-        out.append(f"  calibration: {c.path} ({c.date}, {c.device})")
+        out.append(f"  calibration: {os.path.relpath(c.path)} ({c.date}, {c.device})")
     out.append("")
     out.append(verdict(plan))
     return "\n".join(out)
