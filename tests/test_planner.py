@@ -215,3 +215,15 @@ def test_calibration_table_replaces_the_estimate(tmp_path, monkeypatch):
     stage1 = measured.time.stages[1]  # 21 MoE layers at 40 ms (interpolated at 4096 tokens)
     assert stage1.measured_layers == 21 and stage1.estimated_layers == 0
     assert abs(stage1.compute_s - 21 * 0.040) < 1e-9
+
+
+def test_smallest_search(capsys):
+    from megatron_glm5.planning.search import uneven_split
+
+    assert uneven_split(78, 4) == (19, 19) and uneven_split(78, 6) is None and uneven_split(78, 14) == (3, 3)
+    with pytest.raises(ValueError):
+        uneven_split(7, 2)
+    rc, text, err = _run_tool(["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "1",
+                               "--global-batch-size", "8", "--gpu", "h100-80gb", "--smallest"], capsys)
+    assert rc == 0, err
+    assert text.startswith("smallest world size where a layout fits h100-80gb: 8 ")
