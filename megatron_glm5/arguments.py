@@ -417,6 +417,9 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
 
     g = p.add_argument_group("misc")
     g.add_argument("--seed", type=_nonneg_int, default=1234, metavar="N", help="random seed")
+    g.add_argument("--skip-memory-check", action="store_true",
+                   help="start even when the layout planner estimates that this rank's share of the model does not "
+                        "fit its GPU (or, on CPU, the machine's available memory)")
     g.add_argument("--distributed-timeout-minutes", type=_pos_float, default=10.0, metavar="MIN",
                    help="timeout of collectives; a rank that makes no progress for this long names the ranks it "
                         "waits for and the job stops with exit status 3")

@@ -227,3 +227,14 @@ def test_smallest_search(capsys):
                                "--global-batch-size", "8", "--gpu", "h100-80gb", "--smallest"], capsys)
     assert rc == 0, err
     assert text.startswith("smallest world size where a layout fits h100-80gb: 8 ")
+
+
+def test_training_script_refuses_a_model_this_machine_cannot_hold(tmp_path):
+    """`python finetune_glm5.py --preset glm5.3` on a CPU machine: one line with the estimate, the memory there is
+    and the plan_layout command, before any model is built (it used to die in the allocator after 32 s)."""
+    from training_helpers import assert_user_error, run_entry
+
+    proc = run_entry("finetune", ["--preset", "glm5.3", "--train-iters", "2"], tmp_path, timeout=120)
+    msg = assert_user_error(proc, "rank 0 (pipeline stage 0) needs about", "GiB", "tools/plan_layout.py",
+                            "--skip-memory-check", workdir=tmp_path)
+    assert "available memory" in msg

@@ -25,6 +25,8 @@ def main(mode: str, argv=None) -> int:
         validate_args(args)
         from megatron_glm5.training.data import check_data_paths
         check_data_paths(args)
+        from megatron_glm5.planning.check import check_fits
+        check_fits(args)  # one line and the plan_layout command when this rank cannot hold its share
         import warnings
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
         warnings.filterwarnings("ignore", category=DeprecationWarning)
