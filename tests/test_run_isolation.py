@@ -17,8 +17,8 @@ import pytest
 from training_helpers import (REPO, assert_user_error, check_ok, describe, entry_env, latest_iteration,
                               read_metrics, run_entries, run_entry, series)
 
-SHORT = ["--train-iters", "4", "--save-interval", "2", "--eval-interval", "2", "--eval-iters", "1",
-         "--log-interval", "2"]
+SHORT = ["--train-iters", "4", "--lr-warmup-iters", "1", "--save-interval", "2", "--eval-interval", "2",
+         "--eval-iters", "1", "--log-interval", "2"]
 
 
 def _fingerprint(run: Path) -> dict:
@@ -81,12 +81,13 @@ def test_fresh_run_into_a_used_save_is_refused_then_overwrite_and_resume(tmp_pat
     save = tmp_path / "mine"
     check_ok(run_entry("finetune", SHORT + ["--save", save], tmp_path))
     kept = _fingerprint(save)
-    refused = run_entry("finetune", SHORT + ["--save", save, "--lr", "1e-4"], tmp_path)
+    refused = run_entry("finetune", SHORT + ["--save", save, "--lr", "2e-3"], tmp_path)
     msg = assert_user_error(refused, f"--save {save} already holds run", "iteration 4", "--overwrite")
     assert "--load" in msg and _fingerprint(save) == kept
     # continuing it (same model) takes the run's own checkpoint
-    cont = check_ok(run_entry("finetune", ["--train-iters", "6", "--log-interval", "2", "--eval-interval", "2",
-                                           "--eval-iters", "1", "--resume", "--save", save], tmp_path))
+    cont = check_ok(run_entry("finetune", ["--train-iters", "6", "--lr-warmup-iters", "1", "--log-interval", "2",
+                                           "--eval-interval", "2", "--eval-iters", "1", "--resume", "--save", save],
+                              tmp_path))
     assert "resumed from" in cont.stdout and latest_iteration(save) == 6
     other = run_entry("finetune", SHORT + ["--load", save, "--preset", "tiny-indexshare"], tmp_path)
     assert_user_error(other, "another model")
