@@ -47,6 +47,7 @@ class _ExitSignal:
 
 def build_model_chunks(args):
     from megatron_glm5.arguments import args_to_overrides
+    from megatron_glm5.model.init import initialize_by_global_identity
     from megatron_glm5.model.model import build_model
 
     overrides = args_to_overrides(args)
@@ -63,6 +64,8 @@ def build_model_chunks(args):
             _train_only_indexers(model)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
+        if not args.load:  # from scratch: the same --seed gives the same model at every layout (model/init.py)
+            initialize_by_global_identity(model, args.seed)
         chunks.append(model)
     return chunks
 
