@@ -18,6 +18,7 @@ from .reference import TOPK_DTYPE
 __all__ = [
     "AttentionBackend",
     "BackendUnavailable",
+    "LibraryBackend",
     "SparseMLAFunction",
     "TOPK_ALIGN",
     "cuda_available",
@@ -75,6 +76,30 @@ class AttentionBackend:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+class LibraryBackend(AttentionBackend):
+    """A backend built on a library that covers some of the ops: each op it does not override goes, visibly, to
+    ``self.fallback`` (the backend holding our kernels for the rest, set in the subclass's ``__init__``)."""
+
+    fallback: AttentionBackend
+
+    def indexer_topk(self, q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=1024):
+        return self.fallback.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale,
+                                          chunk_size)
+
+    def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
+        return self.fallback.sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
+
+    def indexer_kl_loss(
+        self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
+    ):
+        return self.fallback.indexer_kl_loss(
+            q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
+            indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
+            attn_lse=attn_lse,
+        )
 
 
 def cuda_available() -> bool:

@@ -56,7 +56,7 @@ from typing import Optional
 import torch
 
 from . import flashmla_sparse_mla, reference
-from .base import AttentionBackend, pad_topk, sparse_mla_autograd, triton_backward_reason, warn_once
+from .base import LibraryBackend, pad_topk, sparse_mla_autograd, triton_backward_reason, warn_once
 from .triton_backend import TritonBackend
 
 __all__ = ["CudnnBackend", "CUDNN_INSTALL"]
@@ -128,7 +128,7 @@ def _cudnn_or_triton_backward(q, kv, idx, out, lse, d_out, d_lse, softmax_scale,
     return cudnn_sparse_backward(q, kv, idx, out, lse, d_out, softmax_scale)
 
 
-class CudnnBackend(AttentionBackend):
+class CudnnBackend(LibraryBackend):
     """cuDNN DSA indexer top-k and sparse backward, FlashMLA / Triton forward; the KL loss and every shape the
     cuDNN kernels do not take are ``self.fallback``'s, the Triton backend (see module doc)."""
 
@@ -266,15 +266,3 @@ class CudnnBackend(AttentionBackend):
             return f"the cuDNN sparse backward needs D in {BWD_DQK}, d_v 512 (D 576) and > 1 head, got {d} / {d_v} / {h}"
         # our Triton kernels (forward without FlashMLA, backward with an lse gradient) need power-of-two parts
         return triton_backward_reason(q, d_v)
-
-    # -- KL loss ---------------------------------------------------------------------------------------------------
-
-    def indexer_kl_loss(
-        self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
-        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
-    ):
-        return self.fallback.indexer_kl_loss(
-            q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
-            indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
-            attn_lse=attn_lse,
-        )

@@ -12,14 +12,14 @@ from __future__ import annotations
 from typing import Optional
 
 from . import flashmla_sparse_mla
-from .base import AttentionBackend, sparse_mla_autograd, triton_backward_reason, warn_once
+from .base import LibraryBackend, sparse_mla_autograd, triton_backward_reason, warn_once
 from .flashmla_sparse_mla import FLASHMLA_INSTALL
 from .triton_backend import TritonBackend
 
 __all__ = ["FlashMLABackend"]
 
 
-class FlashMLABackend(AttentionBackend):
+class FlashMLABackend(LibraryBackend):
     """FlashMLA sparse forward + our Triton backward; everything else is ``self.fallback``'s, the Triton backend
     (see the module doc)."""
 
@@ -41,10 +41,6 @@ class FlashMLABackend(AttentionBackend):
             return f"--attn flashmla needs the flash_mla package (with flash_mla_sparse_fwd): {FLASHMLA_INSTALL}"
         return self.fallback.triton_missing(self.name, "for the backward")
 
-    def indexer_topk(self, q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale, chunk_size=1024):
-        return self.fallback.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale,
-                                          chunk_size)
-
     def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
         if indices is not None:
             why = flashmla_sparse_mla.flashmla_unsupported_reason(q, kv, d_v) or triton_backward_reason(q, d_v)
@@ -56,13 +52,3 @@ class FlashMLABackend(AttentionBackend):
                                            triton_sparse_mla.sparse_mla_bwd)
             warn_once(self.name, why)
         return self.fallback.sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
-
-    def indexer_kl_loss(
-        self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
-        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
-    ):
-        return self.fallback.indexer_kl_loss(
-            q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
-            indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
-            attn_lse=attn_lse,
-        )

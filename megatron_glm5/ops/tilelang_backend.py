@@ -15,14 +15,14 @@ from __future__ import annotations
 from typing import Optional
 
 from . import tilelang_sparse_mla
-from .base import AttentionBackend, sparse_mla_autograd, triton_backward_reason, warn_once
+from .base import LibraryBackend, sparse_mla_autograd, triton_backward_reason, warn_once
 from .tilelang_sparse_mla import TILELANG_INSTALL
 from .triton_backend import TritonBackend
 
 __all__ = ["TilelangBackend"]
 
 
-class TilelangBackend(AttentionBackend):
+class TilelangBackend(LibraryBackend):
     """Our TileLang sparse forward and backward (``tilelang_sparse_mla_bwd``) and KL target (``tilelang_kl``); the
     KL loss's indexer side, the deterministic backward and the shapes the kernels do not take are
     ``self.fallback``'s, the Triton backend."""
@@ -66,16 +66,6 @@ class TilelangBackend(AttentionBackend):
                                            tilelang_sparse_mla.tilelang_sparse_fwd, tilelang_sparse_bwd)
             warn_once(self.name, why)
         return self.fallback.sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
-
-    def indexer_kl_loss(
-        self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
-        indices=None, token_mask=None, head_sum_reduce=None, chunk_size=None, attn_lse=None,
-    ):
-        return self.fallback.indexer_kl_loss(
-            q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,
-            indices=indices, token_mask=token_mask, head_sum_reduce=head_sum_reduce, chunk_size=chunk_size,
-            attn_lse=attn_lse,
-        )
 
     def kl_head_probs(self, q, kv, indices, d_v, attn_lse):
         """The KL target's head sums: our one-pass TileLang kernel (the indexer side of the loss stays Triton's), or
