@@ -6,6 +6,7 @@ Public API::
     cfg = GLM5Config.from_preset("tiny")          # or GLM5Config.from_hf("path/to/hf_dir")
     model = build_model(cfg)                      # single process: initialises parallel state itself
     model = from_hf_pretrained("path/to/hf_dir")  # HF weights -> megatron model, eval mode
+    model = load_checkpoint("runs/sft")           # a training checkpoint (any layout) -> model, eval mode
     logits = model(input_ids)                     # [batch, seq, vocab], HF order (see api.py)
 """
 from megatron_glm5 import platform as _platform
@@ -19,6 +20,7 @@ _LAZY = {
     "ConfigError": ("megatron_glm5.config", "ConfigError"),
     "build_model": ("megatron_glm5.model.model", "build_model"),
     "from_hf_pretrained": ("megatron_glm5.api", "from_hf_pretrained"),
+    "load_checkpoint": ("megatron_glm5.api", "load_checkpoint"),
     "initialize_model_parallel": ("megatron_glm5.platform", "initialize_model_parallel"),
 }
 

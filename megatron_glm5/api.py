@@ -1,6 +1,7 @@
 """User-facing entry points shared by tools, tests and notebooks.
 
     model = from_hf_pretrained("/path/to/GLM-5.3", dtype=torch.bfloat16)
+    model = load_checkpoint("runs/sft")   # a training checkpoint (--save root or iter_XXXXXXX), any layout
     logits = model(input_ids)          # [batch, seq, vocab], same order as transformers' logits
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Optional
 import torch
 
 from megatron_glm5.config import GLM5Config
-from megatron_glm5.conversion.hf_mapping import conversion_plan, hf_to_mcore_tensor
+from megatron_glm5.conversion.hf_mapping import conversion_plan, hf_to_mcore_tensor, mcore_checkpoint_key
 from megatron_glm5.conversion.safetensors_io import CheckpointError, HFCheckpointReader
 
 
@@ -64,3 +65,61 @@ def load_hf_weights(model, reader: HFCheckpointReader, cfg: GLM5Config, include_
     missing = [n for n in params if n not in seen and n in dict(model.named_parameters())]
     if missing:
         raise CheckpointError(f"{len(missing)} model parameter(s) not covered by the checkpoint, e.g. {missing[0]}")
+
+
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: Optional[str] = None,
+                    mtp: Optional[bool] = None, verify: bool = True, **overrides):
+    """Load a megatron-glm5 torch_dist checkpoint into a single-process model, in eval mode (notebooks).
+
+    ``path``: a --save root (its latest pointer), one ``iter_XXXXXXX`` directory, or a converted checkpoint, saved
+    at any parallel layout (torch_dist stores global tensors; each is read whole from the chunks that hold it,
+    optimizer state is never read). The model config is the checkpoint's own record. ``verify``: check the files
+    against the checkpoint's manifest first (a damaged checkpoint is refused). ``mtp``: also build and load the MTP
+    layer; default: when the checkpoint has it. ``overrides`` go to GLM5Config.to_transformer_config.
+    """
+    from megatron_glm5.conversion.convert import ConversionError, resolve_checkpoint_dir
+    from megatron_glm5.conversion.torch_dist_stream import TorchDistReader
+    from megatron_glm5.model.model import build_model
+
+    directory = resolve_checkpoint_dir(path, verify=verify, flag="load_checkpoint:",
+                                       skip_hint="pass verify=False to load it anyway")
+    reader = TorchDistReader(directory)
+    try:
+        record = reader.record()
+        cfg = GLM5Config.from_hf(record.model_config)
+        has_mtp = bool(cfg.num_nextn_predict_layers) and bool(record.mtp)
+        if mtp is None:
+            mtp = has_mtp
+        elif mtp and not has_mtp:
+            raise ConversionError(f"{directory}: mtp=True but the checkpoint has no MTP layer")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        overrides.setdefault("params_dtype", dtype)
+        overrides.setdefault("use_cpu_initialization", device == "cpu")
+        overrides.setdefault("perform_initialization", False)
+        with torch.device(device):
+            model = build_model(cfg, mtp=mtp, **overrides)
+        load_torch_dist_weights(model, reader)
+    finally:
+        reader.close()
+    return model.eval()
+
+
+def load_torch_dist_weights(model, reader) -> None:
+    """Copy every tensor of a single-stage ``model``'s state dict from a torch_dist checkpoint (``TorchDistReader``),
+    each read whole under its checkpoint key (``hf_mapping.mcore_checkpoint_key``)."""
+    targets = dict(model.named_parameters())
+    targets.update(dict(model.named_buffers()))
+    for name in model.state_dict():
+        if name.endswith("_extra_state"):
+            continue
+        key = mcore_checkpoint_key(name)
+        target = targets[name]
+        if key not in reader:
+            raise CheckpointError(f"{reader.path}: the checkpoint has no tensor {key} (for {name}); a checkpoint of "
+                                  "another model, or saved without that layer")
+        if tuple(reader.shape(key)) != tuple(target.shape):
+            raise CheckpointError(f"{reader.path}: {key} has shape {tuple(reader.shape(key))}, the model's {name} "
+                                  f"{tuple(target.shape)} (the record's config and the tensors disagree)")
+        with torch.no_grad():
+            target.copy_(reader.read_region(key, (0,) * target.dim(), tuple(target.shape)))

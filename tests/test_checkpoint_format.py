@@ -61,3 +61,19 @@ def test_directories_and_pointer(tmp_path):
     (tmp_path / fmt.LATEST).write_text("ten")
     with pytest.raises(fmt.CheckpointFormatError, match="expected an iteration number, found 'ten'"):
         fmt.read_latest(root)
+
+
+def test_a_pointer_of_garbage_bytes_is_one_error_naming_the_file(tmp_path):
+    """A damaged pointer (bytes that are not text, e.g. a flipped high bit) is the format's error, not a
+    UnicodeDecodeError."""
+    (tmp_path / fmt.LATEST).write_bytes(b"\xb2")
+    with pytest.raises(fmt.CheckpointFormatError, match=rf"{fmt.LATEST}: expected an iteration number, found"):
+        fmt.read_latest(str(tmp_path))
+
+
+def test_read_record_needs_a_torch_dist_directory(tmp_path):
+    with pytest.raises(fmt.CheckpointFormatError, match=r"no \.metadata \(not a torch_dist checkpoint"):
+        fmt.read_record(str(tmp_path))
+    (tmp_path / fmt.DCP_METADATA).write_bytes(b"not a pickle")
+    with pytest.raises(fmt.CheckpointFormatError, match=r"\.metadata: cannot read the checkpoint metadata"):
+        fmt.read_record(str(tmp_path))

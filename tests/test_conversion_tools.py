@@ -667,7 +667,26 @@ def _bad_shape(d):
     return _rewrite_tensor(d, key, fn)
 
 
+def _bad_nan(d):
+    key = "model.layers.2.mlp.experts.5.down_proj.weight"
+
+    def fn(state):
+        state[key][3, 1] = float("nan")
+    return _rewrite_tensor(d, key, fn)
+
+
+def _bad_inf(d):
+    key = "model.norm.weight"
+
+    def fn(state):
+        state[key][0] = float("-inf")
+    return _rewrite_tensor(d, key, fn)
+
+
 BAD = {
+    "nan_weight": (_bad_nan, ["experts.5.down_proj.weight has non-finite values (1 NaN, 0 Inf", "row 3",
+                              "--allow-nonfinite"]),
+    "inf_weight": (_bad_inf, ["model.norm.weight has non-finite values (0 NaN, 1 Inf", "--allow-nonfinite"]),
     "missing_shard": (_bad_missing_shard, []),
     "index_names_missing_file": (_bad_index_names_missing_file, []),
     "truncated": (_bad_truncated, ["truncated"]),
@@ -704,6 +723,83 @@ def test_bad_input_is_one_line_error_and_target_untouched(case, hf_dirs, tmp_pat
     (out / "keep.txt").write_text("mine")
     rc = hf_to_megatron_main(["--hf-dir", str(d), "--save", str(out), "--no-progress", "--overwrite", *flags])
     assert rc == 2 and os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+
+def test_allow_nonfinite_converts_with_one_warning_per_tensor(hf_dirs, tmp_path, caplog):
+    from megatron_glm5.conversion.cli import hf_to_megatron_main
+
+    d = _copy(hf_dirs["tiny"][0], tmp_path / "hf")
+    _bad_nan(d)
+    caplog.clear()
+    assert hf_to_megatron_main(["--hf-dir", str(d), "--save", str(tmp_path / "out"), "--no-progress",
+                                "--allow-nonfinite"]) == 0
+    warned = [r.getMessage() for r in caplog.records if "non-finite" in r.getMessage()]
+    assert len(warned) == 1 and "experts.5.down_proj.weight" in warned[0] and "--allow-nonfinite" in warned[0]
+    back = read_hf(to_hf(tmp_path / "out", tmp_path / "back")["output"])
+    assert torch.isnan(back["model.layers.2.mlp.experts.5.down_proj.weight"][3, 1])
+
+
+def test_progress_counts_in_the_unit_of_its_total(hf_dirs, converted, tmp_path, monkeypatch):
+    """The bar's updates add up to its total in both directions (the import counted torch.save record sizes
+    against a total of tensor bytes: 1.53 MB of 1.27 MB)."""
+    from megatron_glm5.conversion import convert
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc, enabled):
+            self.total, self.n = total, 0
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(convert, "_progress", Bar)
+    to_megatron(hf_dirs["tiny"][0], tmp_path / "mc")
+    to_hf(tmp_path / "mc", tmp_path / "hf")
+    assert len(bars) == 2 and all(b.total > 0 for b in bars)
+    assert [b.n for b in bars] == [b.total for b in bars]
+
+
+def test_mtp_presence_is_recorded_and_the_export_follows_it(hf_dirs, converted, tmp_path, caplog):
+    """A model saved by transformers has no MTP weights although config.json says num_nextn_predict_layers 1:
+    the import records it (read_record(dir).mtp False), the export leaves MTP out by default and refuses --mtp;
+    --no-mtp leaves out the MTP layer of a checkpoint that has one (transformers then loads it without
+    unexpected keys)."""
+    from hf_tiny import make_hf_model, save_hf_model
+    from transformers import AutoModelForCausalLM
+
+    from megatron_glm5.checkpoint.format import read_record
+    from megatron_glm5.conversion.cli import megatron_to_hf_main
+
+    hf, cfg = make_hf_model("tiny", seed=3)
+    save_hf_model(hf, tmp_path / "plain")
+    assert cfg.num_nextn_predict_layers == 1
+    caplog.clear()
+    to_megatron(tmp_path / "plain", tmp_path / "mc")
+    assert any("no MTP layer" in r.getMessage() for r in caplog.records)
+    record = read_record(str(tmp_path / "mc"))
+    assert record.mtp is False and record.source["mtp"] is False
+    assert read_record(str(converted)).mtp is True and glm5_entry(converted).source["mtp"] is True
+    summary = to_hf(tmp_path / "mc", tmp_path / "back")
+    assert not summary["mtp"]
+    assert_bitwise_same(read_hf(tmp_path / "back"), read_hf(tmp_path / "plain"))
+    assert megatron_to_hf_main(["--load", str(tmp_path / "mc"), "--save", str(tmp_path / "x"), "--mtp"]) == 2
+    assert not (tmp_path / "x").exists()
+    # a checkpoint with MTP, exported without it
+    assert megatron_to_hf_main(["--load", str(converted), "--save", str(tmp_path / "nomtp"), "--no-mtp",
+                                "--no-progress"]) == 0
+    on_disk = read_hf(tmp_path / "nomtp")
+    mtp_prefix = f"model.layers.{cfg.num_hidden_layers}."
+    assert on_disk and not any(k.startswith(mtp_prefix) for k in on_disk)
+    full = read_hf(hf_dirs["tiny"][0])
+    assert_bitwise_same(on_disk, {k: v for k, v in full.items() if not k.startswith(mtp_prefix)})
+    _, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "nomtp"), dtype=torch.float32,
+                                                   output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
 
 
 def test_existing_target_is_refused(hf_dirs, converted, tmp_path, capsys):

@@ -66,6 +66,9 @@ def hf_to_megatron_parser():
                         "bias are never narrowed below fp32 (default: auto)")
     p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
                    help="convert the MTP layer (default: when the checkpoint has it)")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="convert weights with NaN/Inf values (each such tensor is named in a warning); without it "
+                        "they stop the conversion")
     p.add_argument("--overwrite", action="store_true", help="replace --save if it exists (after a successful write)")
     p.add_argument("--max-chunk-size", default="64MiB", metavar="SIZE",
                    help="largest block held in memory; bigger tensors are stored as several chunks (default: 64MiB)")
@@ -80,7 +83,8 @@ def _hf_to_megatron(argv) -> int:
     args = hf_to_megatron_parser().parse_args(argv)
     result = convert_hf_to_megatron(args.hf_dir, args.save, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                                     dtype=args.dtype, mtp=args.mtp, overwrite=args.overwrite,
-                                    progress=not args.no_progress, max_chunk_bytes=parse_size(args.max_chunk_size))
+                                    progress=not args.no_progress, max_chunk_bytes=parse_size(args.max_chunk_size),
+                                    allow_nonfinite=args.allow_nonfinite)
     _summary(result)
     return 0
 
@@ -106,8 +110,18 @@ def megatron_to_hf_parser():
     p.add_argument("--overwrite", action="store_true", help="replace --save if it exists (after a successful write)")
     p.add_argument("--max-block-size", default="64MiB", metavar="SIZE",
                    help="largest block held in memory (default: 64MiB)")
+    p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
+                   help="write the MTP layer (HF layer num_hidden_layers; default: when the checkpoint has it). "
+                        "--no-mtp leaves it out: transformers' GlmMoeDsaForCausalLM has no MTP module")
+    _add_no_verify(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
+
+
+def _add_no_verify(p):
+    p.add_argument("--no-verify", action="store_true",
+                   help="do not check the checkpoint against its manifest.json (every file's size and checksum; "
+                        "reads each file once); by default a damaged checkpoint is refused")
 
 
 def _megatron_to_hf(argv) -> int:
@@ -117,7 +131,8 @@ def _megatron_to_hf(argv) -> int:
     args = megatron_to_hf_parser().parse_args(argv)
     result = convert_megatron_to_hf(args.load, args.save, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                     tokenizer=args.tokenizer, overwrite=args.overwrite,
-                                    progress=not args.no_progress, max_block_bytes=parse_size(args.max_block_size))
+                                    progress=not args.no_progress, max_block_bytes=parse_size(args.max_block_size),
+                                    mtp=args.mtp, verify=not args.no_verify)
     _summary(result)
     return 0
 
@@ -142,6 +157,7 @@ def verify_parser():
     p.add_argument("--atol", type=float, default=0.0,
                    help="tensor tolerance when dtypes differ (equal dtypes are compared bitwise)")
     p.add_argument("--logits-rtol", type=float, default=1e-5, help="relative L2 tolerance of the logits")
+    _add_no_verify(p)
     return p
 
 
@@ -149,7 +165,10 @@ def _verify(argv) -> int:
     from megatron_glm5.conversion.verify import compare_logits, compare_tensors
 
     args = verify_parser().parse_args(argv)
-    report = compare_tensors(args.hf_dir, args.megatron, atol=args.atol)
+    if args.no_verify:
+        logging.getLogger("megatron_glm5.conversion").warning(
+            "--no-verify: the checkpoint is not checked against its manifest")
+    report = compare_tensors(args.hf_dir, args.megatron, atol=args.atol, verify=not args.no_verify)
     print(f"tensors: {report['identical']} identical, {report['close']} within --atol, "
           f"{len(report['different'])} different (of {report['total']})")
     for line in report["different"][:10]:

@@ -38,11 +38,11 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_glm5.checkpoint import manifest as checkpoint_manifest
 from megatron_glm5.checkpoint.format import (
     COMMON_KEY,
     DCP_METADATA,
     LATEST,
-    LEGACY_COMMON_FILE,
     RECORD_KEY,
     ModelRecord,
     layout_record,
@@ -185,8 +185,34 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     return out
 
 
+class NonFiniteGuard:
+    """Import-time check of every block for NaN/Inf: refused naming the tensor and its file, or (``allow``) warned
+    about once per tensor."""
+
+    def __init__(self, allow: bool, where: str):
+        self.allow, self.where, self.warned = allow, where, set()
+
+    def check(self, source, hf_key: str, r0: int, t: torch.Tensor) -> None:
+        if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+            return
+        n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+        rows = t.reshape(max(1, t.shape[0] if t.dim() else 1), -1)
+        first = r0 + int((~torch.isfinite(rows)).any(1).nonzero()[0, 0])
+        file = os.path.join(self.where, source.info(hf_key).file)
+        last = r0 + rows.shape[0] - 1
+        what = (f"{file}: {hf_key} has non-finite values ({n_nan} NaN, {n_inf} Inf in rows {r0}..{last}, the first "
+                f"in row {first})")
+        if not self.allow:
+            raise ConversionError(f"{what}; training from it would skip steps or diverge: fix the source, or pass "
+                                  "--allow-nonfinite to convert it anyway")
+        if hf_key not in self.warned:
+            self.warned.add(hf_key)
+            log.warning("%s; converted anyway (--allow-nonfinite)", what)
+
+
 def _produce_block(source, hf_key: str, r0: int, r1: int, out_dtype: torch.dtype, sizes: tuple[int, ...],
-                   scale_key: Optional[str], block: tuple[int, int]) -> torch.Tensor:
+                   scale_key: Optional[str], block: tuple[int, int],
+                   guard: Optional[NonFiniteGuard] = None) -> torch.Tensor:
     t = source.read_rows(hf_key, r0, r1)
     if scale_key is not None:
         b0 = block[0]
@@ -194,6 +220,8 @@ def _produce_block(source, hf_key: str, r0: int, r1: int, out_dtype: torch.dtype
         t = dequantize_fp8(t, scale, block, out_dtype)
     elif t.dtype != out_dtype:
         t = t.to(out_dtype)
+    if guard is not None:
+        guard.check(source, hf_key, r0, t)
     return t.view(sizes)
 
 
@@ -217,11 +245,14 @@ def _fp8_block(cfg: GLM5Config) -> tuple[int, int]:
 
 
 def plan_import(cfg: GLM5Config, source, spec: McoreSpec, include_mtp: bool, dtype: Optional[torch.dtype],
-                max_chunk_bytes: int = DEFAULT_CHUNK_BYTES, where: str = "") -> ImportPlan:
-    """Check every HF tensor against the table and the model, and list the chunks to write (no data read).
+                max_chunk_bytes: int = DEFAULT_CHUNK_BYTES, where: str = "", allow_nonfinite: bool = False
+                ) -> ImportPlan:
+    """Check every HF tensor against the table and the model, and list the chunks to write (no data read; each
+    chunk checks its values for NaN/Inf when it is produced, see NonFiniteGuard).
 
     ``source`` needs ``keys()``, ``info(name)`` (``.dtype``, ``.shape``, ``.file``) and ``read_rows``."""
     where = where or getattr(source, "directory", "HF checkpoint")
+    guard = NonFiniteGuard(allow_nonfinite, where)
     block = _fp8_block(cfg)
     rows = conversion_plan(cfg, include_mtp=include_mtp)
     chunks, tied, used, fp8_used = [], [], set(), False
@@ -298,7 +329,7 @@ def plan_import(cfg: GLM5Config, source, spec: McoreSpec, include_mtp: bool, dty
                 offsets, sizes = placement.mcore_block(shape, r0, r1)
                 chunks.append(LazyChunk(ms.key, ms.global_shape, offsets, sizes, out_dtype,
                                         partial(_produce_block, source, k, r0, r1, out_dtype, sizes, scale_key,
-                                                block), source=k))
+                                                block, guard), source=k))
                 covered[ms.key] = covered.get(ms.key, 0) + math.prod(sizes)
     for state_key, ms in spec.tensors.items():
         if covered.get(ms.key, 0) != math.prod(ms.global_shape):
@@ -389,8 +420,11 @@ def _write_json(path: str, obj) -> None:
 
 def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
                            dtype: str = "auto", mtp: Optional[bool] = None, overwrite: bool = False,
-                           progress: bool = True, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
-    """HF GlmMoeDsa directory -> torch_dist checkpoint directory ``save``. Returns a summary dict."""
+                           progress: bool = True, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                           allow_nonfinite: bool = False) -> dict:
+    """HF GlmMoeDsa directory -> torch_dist checkpoint directory ``save``. Returns a summary dict.
+
+    NaN/Inf in a weight stops the conversion naming the tensor and its file (``allow_nonfinite``: a warning)."""
     t0 = time.time()
     final = _check_target(save, overwrite)
     out_dtype = dtype_from_flag(dtype)
@@ -414,7 +448,13 @@ def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, ep:
     else:
         include_mtp = bool(mtp)
     spec = megatron_checkpoint_spec(cfg, include_mtp)
-    plan = plan_import(cfg, source, spec, include_mtp, out_dtype, max_chunk_bytes)
+    if has_mtp and not include_mtp:
+        log.info("%s: leaving the MTP layer out (--no-mtp)", hf_dir)
+    elif cfg.num_nextn_predict_layers and not has_mtp:
+        log.warning("%s: config.json has num_nextn_predict_layers %d but the weights have no MTP layer (a model "
+                    "saved by transformers): converted without MTP, recorded in the checkpoint; fine-tuning from "
+                    "it trains without MTP", hf_dir, cfg.num_nextn_predict_layers)
+    plan = plan_import(cfg, source, spec, include_mtp, out_dtype, max_chunk_bytes, allow_nonfinite=allow_nonfinite)
     for problem in _check_tied(source, plan.tied, max_chunk_bytes):
         log.warning("%s: %s; megatron-core ties the MTP layer's embedding and head to the main ones, so the main "
                     "tensors are used", hf_dir, problem)
@@ -422,7 +462,8 @@ def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, ep:
     # --no-load-optim --no-load-rng (no --finetune) starts at iteration 0 from the first sample
     record = ModelRecord(model_config=plan.hf_config, mode="converted", mtp=include_mtp,
                          layout=layout_record(tp, pp, ep, tp if etp is None else etp, cp=1, dp=None),
-                         source={"hf_dir": os.path.abspath(hf_dir), "dtype": dtype, "fp8_dequantized": plan.fp8})
+                         source={"hf_dir": os.path.abspath(hf_dir), "dtype": dtype, "fp8_dequantized": plan.fp8,
+                                 "mtp": has_mtp})
     common = {"iteration": 0, "data_state": {}, RECORD_KEY: record.to_common()}
     objects = {COMMON_KEY: serialize_object(common)}
     objects.update({k: serialize_object(v) for k, v in plan.objects.items()})
@@ -454,33 +495,48 @@ def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, ep:
 
 
 # ====================================================================== torch_dist -> HF
-def resolve_checkpoint_dir(load: str) -> str:
-    """--load: a --save root (latest pointer), an iteration directory, or a converted checkpoint directory."""
+NO_VERIFY_HINT = "pass --no-verify to read it anyway"
+
+
+def resolve_checkpoint_dir(load: str, verify: bool = False, flag: str = "--load",
+                           skip_hint: str = NO_VERIFY_HINT) -> str:
+    """--load: a --save root (latest pointer), an iteration directory, or a converted checkpoint directory.
+
+    ``verify``: check the directory against its manifest (checkpoint/manifest.py: every file's size and checksum,
+    as the trainer does) before anything is read from it; a damaged checkpoint is refused naming the file and what
+    is wrong. A directory without a manifest (a converted checkpoint, or one saved before manifests existed) is
+    read unverified, with a warning; ``verify=False`` skips the check with a warning."""
     if not os.path.isdir(load):
-        raise ConversionError(f"--load {load}: no such directory")
+        raise ConversionError(f"{flag} {load}: no such directory")
     pointer = read_latest(load)
     if pointer is not None:
-        return pointed_dir(load, pointer)
-    if os.path.isfile(os.path.join(load, DCP_METADATA)):
-        return load
-    raise ConversionError(f"--load {load}: neither a torch_dist checkpoint (no {DCP_METADATA}) nor a --save root "
-                          f"(no {LATEST})")
+        path = pointed_dir(load, pointer)
+    elif os.path.isfile(os.path.join(load, DCP_METADATA)):
+        path = load
+    else:
+        raise ConversionError(f"{flag} {load}: neither a torch_dist checkpoint (no {DCP_METADATA}) nor a --save root "
+                              f"(no {LATEST})")
+    if verify:
+        verify_checkpoint_dir(path, flag, load, skip_hint)
+    return path
+
+
+def verify_checkpoint_dir(path: str, flag: str, load: str, skip_hint: str = NO_VERIFY_HINT) -> None:
+    """Refuse a checkpoint directory whose files do not match its manifest (warn when it has none)."""
+    if not os.path.exists(os.path.join(path, checkpoint_manifest.MANIFEST)):
+        log.warning("%s: no %s (a converted checkpoint, or one saved before checkpoints had manifests): its files "
+                    "are read unverified", path, checkpoint_manifest.MANIFEST)
+        return
+    problems = checkpoint_manifest.verify(path)
+    if problems:
+        older = "" if path == load else f" (e.g. an older iter_XXXXXXX directory of {load})"
+        raise ConversionError(f"{flag} {load}: {path} is damaged: {'; '.join(problems)}; use an intact "
+                              f"checkpoint{older}, or {skip_hint}")
 
 
 def read_glm5_entry(path: str, reader: TorchDistReader) -> ModelRecord:
-    """The checkpoint's "glm5" record (checkpoint/format.py), from its common state."""
-    legacy = os.path.join(path, LEGACY_COMMON_FILE)
-    if os.path.isfile(legacy):
-        common = torch.load(legacy, map_location="cpu", weights_only=True)
-    elif reader.has_object(COMMON_KEY):
-        common = reader.read_object(COMMON_KEY)[0]
-    else:
-        raise ConversionError(f"{path}: no common state in the checkpoint (not written by megatron-core?)")
-    record = ModelRecord.from_common(common)
-    if record is None:
-        raise ConversionError(f"{path}: not a megatron-glm5 checkpoint (no 'glm5' model description in its "
-                              "common state)")
-    return record
+    """The checkpoint's "glm5" record (checkpoint/format.py ``read_record``: ``mtp`` known), from its common state."""
+    return reader.record()
 
 
 @dataclass
@@ -531,8 +587,12 @@ def tokenizer_dir(flag: str) -> str:
 
 def convert_megatron_to_hf(load: str, save: str, dtype: str = "auto", max_shard_size="5GB",
                            tokenizer: Optional[str] = None, overwrite: bool = False, progress: bool = True,
-                           max_block_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
-    """torch_dist checkpoint (training or converted) -> HF directory ``save``. Returns a summary dict."""
+                           max_block_bytes: int = DEFAULT_CHUNK_BYTES, mtp: Optional[bool] = None,
+                           verify: bool = True) -> dict:
+    """torch_dist checkpoint (training or converted) -> HF directory ``save``. Returns a summary dict.
+
+    ``verify``: check the checkpoint against its manifest first (``resolve_checkpoint_dir``). ``mtp``: write the
+    MTP layer (default: when the checkpoint has it; False leaves it out, as transformers' own models have none)."""
     t0 = time.time()
     final = _check_target(save, overwrite)
     out_dtype = dtype_from_flag(dtype)
@@ -541,20 +601,28 @@ def convert_megatron_to_hf(load: str, save: str, dtype: str = "auto", max_shard_
     except ValueError:
         raise ConversionError(f"--max-shard-size {max_shard_size}: expected e.g. 5GB, 500MB or a byte count") from None
     tok_dir = tokenizer_dir(tokenizer) if tokenizer else None
-    path = resolve_checkpoint_dir(load)
+    if not verify:
+        log.warning("--no-verify: the checkpoint is not checked against its manifest (damaged files are exported "
+                    "as they are)")
+    path = resolve_checkpoint_dir(load, verify=verify)
     reader = TorchDistReader(path)
     entry = read_glm5_entry(path, reader)
     try:
         cfg = GLM5Config.from_hf(entry.model_config)
     except ConfigError as e:
         raise ConversionError(f"{path}: recorded model config is invalid: {e}") from None
-    include_mtp = bool(cfg.num_nextn_predict_layers) and mcore_checkpoint_key("mtp.layers.0.eh_proj.weight") in reader
+    has_mtp = bool(cfg.num_nextn_predict_layers) and bool(entry.mtp)
+    if mtp and not has_mtp:
+        raise ConversionError(f"--mtp: {path} has no MTP layer (it was converted or trained without one); export "
+                              "without --mtp")
+    include_mtp = has_mtp if mtp is None else bool(mtp)
     items = plan_export(cfg, reader, include_mtp, out_dtype, path)
     by_name = {it.out.name: it for it in items}
     shards = plan_shards([it.out for it in items], max_shard)
     total = sum(it.out.nbytes for it in items)
     used = {it.key for it in items}
-    ignored = [k for k in reader.tensor_keys() if k not in used and "optimizer." not in k]  # optimizer: never read
+    ignored = [k for k in reader.tensor_keys() if k not in used and "optimizer." not in k  # optimizer: never read
+               and not (not include_mtp and k.startswith("mtp."))]  # MTP left out on purpose (--no-mtp)
     if ignored:
         log.warning("%s: %d model tensor(s) not in the GLM-5 table were not exported, e.g. %s", path, len(ignored),
                     ignored[0])

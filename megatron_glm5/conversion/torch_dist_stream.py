@@ -52,7 +52,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_glm5.checkpoint.format import DCP_METADATA, MEGATRON_METADATA, MEGATRON_METADATA_FILE
+from megatron_glm5.checkpoint.format import (
+    MEGATRON_METADATA,
+    MEGATRON_METADATA_FILE,
+    load_dcp_metadata,
+    read_dcp_object,
+    read_record,
+)
 from megatron_glm5.conversion.safetensors_io import CheckpointError
 from megatron_glm5.conversion.safetensors_stream import read_exact
 
@@ -175,9 +181,9 @@ class StreamingFileSystemWriter(FileSystemWriter):
                 length = stream.tell() - offset
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(file_name, offset, length)))
+                if self.on_item is not None:  # progress in the unit of the plan's total: tensor bytes
+                    self.on_item(data.nbytes if item.type != WriteItemType.BYTE_IO else 0)
                 del data
-                if self.on_item is not None:
-                    self.on_item(length)
         finally:
             if stream is not None:
                 close(stream)
@@ -311,15 +317,7 @@ class TorchDistReader:
 
     def __init__(self, path: str):
         self.path = os.fspath(path)
-        md_path = os.path.join(self.path, DCP_METADATA)
-        if not os.path.isfile(md_path):
-            raise CheckpointError(f"{self.path}: no {DCP_METADATA} (not a torch_dist checkpoint, or its save did "
-                                  "not finish)")
-        try:
-            with open(md_path, "rb") as f:
-                self.metadata: Metadata = pickle.load(f)
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means a corrupt file
-            raise CheckpointError(f"{md_path}: cannot read the checkpoint metadata ({e})") from None
+        self.metadata: Metadata = load_dcp_metadata(self.path)
         self._chunks: dict[str, list[tuple[tuple, tuple, _StorageInfo]]] = {}
         sizes_of = {}
         for fqn, md in self.metadata.state_dict_metadata.items():
@@ -370,13 +368,11 @@ class TorchDistReader:
 
     # -------------------------------------------------------------- objects
     def read_object(self, key: str):
-        info = self._objects.get(key)
-        if info is None:
-            raise CheckpointError(f"{self.path}: the checkpoint has no object {key}")
-        self._check_plain(info, key)
-        buf = torch.empty(info.length, dtype=torch.uint8)
-        read_exact(self._file(info.relative_path), info.offset, buf, os.path.join(self.path, info.relative_path))
-        return torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True)
+        return read_dcp_object(self.path, self.metadata, key, opened=self._file)
+
+    def record(self):
+        """The checkpoint's "glm5" ModelRecord (checkpoint/format.py ``read_record``), ``mtp`` filled in."""
+        return read_record(self.path, self.metadata, opened=self._file)
 
     def has_object(self, key: str) -> bool:
         return key in self._objects

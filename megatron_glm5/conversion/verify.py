@@ -33,9 +33,15 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def compare_tensors(hf_dir: str, ckpt: str, atol: float = 0.0, block_bytes: int = 256 * 2 ** 20) -> dict:
+def compare_tensors(hf_dir: str, ckpt: str, atol: float = 0.0, block_bytes: int = 256 * 2 ** 20,
+                    verify: bool = False) -> dict:
+    """Every tensor of both sides; ``verify``: check the checkpoint against its manifest first."""
     source = SafetensorsSource(hf_dir)
-    path = resolve_checkpoint_dir(ckpt)
+    try:
+        path = resolve_checkpoint_dir(ckpt, verify=verify)
+    except BaseException:
+        source.close()
+        raise
     reader = TorchDistReader(path)
     cfg = GLM5Config.from_hf(read_glm5_entry(path, reader).model_config)
     block = _fp8_block(GLM5Config.from_hf(os.path.join(hf_dir, "config.json")))
