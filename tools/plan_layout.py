@@ -99,4 +99,6 @@ def _smallest(rest, own, gpu) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_glm5.quiet import install_for_tool
+    install_for_tool()  # third-party warnings that tell the user nothing (megatron_glm5/quiet.py)
     sys.exit(main())

@@ -22,21 +22,37 @@ import torch.distributed as dist
 from megatron_glm5 import platform
 from megatron_glm5.training import fault_hooks, numerics
 from megatron_glm5.training.device import current_device
-from megatron_glm5.training.metrics import StepLogger, TrainingMetrics
+from megatron_glm5.training.metrics import StepLogger, TrainingMetrics, check_tensorboard_dir
 
 log = logging.getLogger("megatron_glm5.train")
 
 
 class _ExitSignal:
-    """Turns the exit signal (SIGTERM, or SLURM's SIGUSR1 warning) into 'save at the end of this step, exit 0'."""
+    """Turns the exit signal (SIGTERM, or SLURM's SIGUSR1 warning) into 'save at the end of this step, exit 0'.
+
+    Ctrl-C (SIGINT) does the same the first time; a second Ctrl-C stops at once (KeyboardInterrupt, exit status
+    130, no checkpoint of the unfinished step). ``restore()`` puts the previous handlers back at the end of a run."""
 
     def __init__(self, name: str):
         self.received = False
-        signal.signal(getattr(signal, name), self._handler)
+        self._interrupts = 0
+        self._previous = {}
+        for signum in {getattr(signal, name), signal.SIGINT}:
+            self._previous[signum] = signal.signal(signum, self._handler)
 
     def _handler(self, signum, frame):
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt
+            log.warning("received SIGINT (Ctrl-C): finishing this step, saving, exiting; Ctrl-C again stops at once")
+        else:
+            log.warning("received %s: finishing this step, saving, exiting", signal.Signals(signum).name)
         self.received = True
-        log.warning("received %s: finishing this step, saving, exiting", signal.Signals(signum).name)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def any_rank(self) -> bool:
         flag = torch.tensor([1.0 if self.received else 0.0], device=current_device())
@@ -175,6 +191,11 @@ def train(args) -> int:
     session = _Session()
     try:
         return _train(args, session)
+    except Exception as e:  # a collective that failed because a peer died or stopped: one line naming it
+        failure = session.explain(e)
+        if failure is None:
+            raise
+        raise failure from None
     finally:
         session.close()
         fault_hooks.end_run()
@@ -188,12 +209,19 @@ class _Session:
     def __init__(self):
         self.run = None
         self.watchdog = None
+        self.exit_signal = None
 
     def beat(self, iteration: int, phase: str) -> None:
         if self.watchdog is not None:
             self.watchdog.beat(iteration, phase)
 
+    def explain(self, exc: BaseException):
+        """watchdog.JobFailure naming the lost rank when ``exc`` is a failed collective, else None."""
+        return self.watchdog.explain(exc) if self.watchdog is not None else None
+
     def close(self) -> None:
+        if self.exit_signal is not None:
+            self.exit_signal.restore()
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.run is not None:
@@ -226,7 +254,7 @@ def _train(args, session: "_Session") -> int:
 
     mcore_patches.apply_phase(Phase.TRAINING)
     start_time = time.time()
-    exit_signal = _ExitSignal(args.exit_signal)
+    exit_signal = session.exit_signal = _ExitSignal(args.exit_signal)
     platform.initialize_model_parallel(
         tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
         ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size,
@@ -238,6 +266,7 @@ def _train(args, session: "_Session") -> int:
         args.save = None  # an evaluation writes nothing
         args.tensorboard_dir = None
     else:
+        check_tensorboard_dir(args)  # a read-only --tensorboard-dir stops here, not at the first report
         session.run = run_dir.claim(args)  # this run's directory: fresh, or the run it continues (run_dir.py)
 
     try:

@@ -19,6 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_glm5.errors import UserError
 from megatron_glm5.training.device import current_device
 from megatron_glm5.training.flops import training_flops_per_token
 
@@ -147,7 +148,7 @@ class StepLogger:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=args.tensorboard_dir)
             # the same scalars at full precision, one JSON object per report (tests and scripts read this)
-            self.jsonl = open(os.path.join(args.tensorboard_dir, "metrics.jsonl"), "a")
+            self.jsonl = MetricsFile(os.path.join(args.tensorboard_dir, "metrics.jsonl"))
         tokens = args.global_batch_size * args.seq_length
         mtp = args.mtp_steps if args.mtp and args.model_config.num_nextn_predict_layers else 0
         self.tokens_per_step = tokens
@@ -249,14 +250,95 @@ class StepLogger:
 
     def _jsonl(self, record):
         if self.jsonl:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
+            self.jsonl.append(record)
 
     def close(self):
         if self.writer:
             self.writer.close()
         if self.jsonl:
             self.jsonl.close()
+
+
+class MetricsWriteError(UserError, OSError):
+    """metrics.jsonl could not take a record (disk full, quota, file-size limit, permissions)."""
+
+
+class MetricsFile:
+    """metrics.jsonl, appended one whole line at a time: each record is one ``os.write`` on a descriptor opened
+    with O_APPEND; a write that fails or comes up short is cut back to the file's previous length, so the file
+    always ends with a whole line, and the run stops with one line (MetricsWriteError)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise MetricsWriteError(self._message("opening", e)) from None
+
+    def append(self, record: dict) -> None:
+        data = (json.dumps(record) + "\n").encode()
+        before = os.fstat(self.fd).st_size
+        try:
+            written = os.write(self.fd, data)
+            error = None if written == len(data) else f"wrote {written} of {len(data)} bytes"
+        except OSError as e:
+            error = e
+        if error is None:
+            return
+        try:
+            os.ftruncate(self.fd, before)
+        except OSError:
+            pass
+        raise MetricsWriteError(self._message("writing", error))
+
+    def _message(self, doing: str, error) -> str:
+        import shutil
+
+        reason = f"{error.strerror or error}" if isinstance(error, OSError) else error
+        try:
+            free = f"; free space there: {shutil.disk_usage(os.path.dirname(self.path) or '.').free / 2 ** 30:.1f} GiB"
+        except OSError:
+            free = ""
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            free += f"; file-size limit (ulimit -f): {limit} bytes"
+        return (f"--tensorboard-dir {os.path.dirname(self.path)}: {doing} {os.path.basename(self.path)} failed "
+                f"({reason}{free}); the file ends at its last whole record; free space (or give another "
+                f"--tensorboard-dir) and resume with --load")
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def check_tensorboard_dir(args) -> None:
+    """A --tensorboard-dir the logging rank cannot write is refused at start (before the run claims --save),
+    not at the first report; nothing is created. A directory under --save is --save's to check (run_dir.claim)."""
+    path = getattr(args, "tensorboard_dir", None)
+    save = getattr(args, "save", None)
+    if not path or not _is_logging_rank():
+        return
+    if save and os.path.abspath(path).startswith(os.path.abspath(save) + os.sep):
+        return
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    problem = None
+    if not os.path.isdir(existing):
+        problem = f"{existing} is not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = f"{existing} is not writable" + (" (a read-only file system)" if _read_only_fs(existing) else "")
+    if problem:
+        raise MetricsWriteError(f"--tensorboard-dir {path}: cannot write there: {problem}; give a writable "
+                                f"directory")
+
+
+def _read_only_fs(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
 
 
 def _count(n: int) -> str:

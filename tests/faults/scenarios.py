@@ -11,7 +11,11 @@ disk_full_*    a real file-size limit (RLIMIT_FSIZE set as the save starts writi
 async_equal    --async-save whose writer starts only after training changed the parameters -> the checkpoint
                holds the same tensors as a synchronous save of that iteration
 signal_*       SIGTERM (default) and SIGUSR1 (--exit-signal SIGUSR1, with --async-save) to a running training
-               -> it finishes the step, saves, exits 0; the resumed run matches the uninterrupted one
+               -> it finishes the step, saves, exits 0; the resumed run matches the uninterrupted one; SIGINT
+               (Ctrl-C) with the default --exit-signal does the same
+sigint_twice   two Ctrl-C in a row -> the second stops at once: exit 130, one line, nothing half-promoted
+metrics_disk_full  a file-size limit reached in the middle of a metrics.jsonl record -> the record is cut back,
+               one error line, every line of the file parses
 """
 from __future__ import annotations
 
@@ -192,6 +196,52 @@ class Scenarios:
                 "reference": {str(k): v for k, v in self.ref.items()}, "partials": sorted(p.name for p in save.glob("*.partial")),
                 "error": None}
 
+    def sigint_twice(self):
+        """Ctrl-C twice in a row: the second stops at once (exit 130, one line), the unfinished step is not saved."""
+        save = self.workdir / "sigint2"
+        tb = self.workdir / "sigint2_tb"
+        argv = BASE_FLAGS + ["--data-path", self.data, "--valid-data-path", self.data, "--save", save,
+                             "--tensorboard-dir", tb]
+        run = Run(self.main, argv, self.workdir / "sigint2.log")
+        deadline = time.time() + 300
+        while run.poll() is None and last_logged_iteration(tb) < 3 and time.time() < deadline:
+            time.sleep(0.005)
+        run.kill(signal.SIGINT)
+        time.sleep(0.002)
+        run.kill(signal.SIGINT)
+        code = run.wait()
+        text = run.text()
+        return {"exit": code, "errors": _error_lines(text), "received": _lines(text, "received SIGINT"),
+                "traceback": "Traceback" in text, "saved": _lines(text, "saved checkpoint"), "latest": _latest(save),
+                "complete": sorted(p.name for p in save.glob("iter_*") if not p.name.endswith(".partial")),
+                "error": None, "tail": text[-2000:]}
+
+    def metrics_disk_full(self):
+        """A file-size limit that metrics.jsonl reaches in the middle of a record (set after save 2, 40 bytes
+        beyond the file's size): the record is not left half-written, the run stops with one line, and the file
+        parses line by line. The file starts with 64 KiB of earlier records, so that it is the largest file the
+        run writes until the next save (the run's own log must stay below the limit)."""
+        save = self.workdir / "mfull"
+        tb = self.workdir / "mfull_tb"
+        jsonl = tb / "metrics.jsonl"
+        tb.mkdir(parents=True)
+        earlier = "".join(f'{{"iteration": 0, "earlier": {i}, "pad": "{"x" * 100}"}}\n' for i in range(560))
+        jsonl.write_text(earlier)
+
+        def limit_after_save(point, it):
+            if point == "pointer-updated" and it == 2:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(jsonl) + 40, resource.RLIM_INFINITY))
+
+        argv = BASE_FLAGS + ["--data-path", self.data, "--valid-data-path", self.data, "--save", save,
+                             "--tensorboard-dir", tb]
+        run = Run(self.main, argv, self.workdir / "mfull.log", hook=limit_after_save)
+        code = run.wait()
+        text = run.text()
+        raw = jsonl.read_bytes()
+        return {"exit": code, "errors": _error_lines(text), "traceback": "Traceback" in text,
+                "earlier_lines": earlier.count("\n"), "ends_with_newline": raw.endswith(b"\n"),
+                "lines": raw.decode().splitlines(), "jsonl": str(jsonl), "error": None, "tail": text[-2000:]}
+
 
 def _tensors(ckpt: Path, out: Path) -> dict:
     """Every tensor of a torch_dist checkpoint (read with torch.distributed.checkpoint, no process group)."""
@@ -250,4 +300,7 @@ def run_scenarios(main, workdir: Path) -> dict:
     record("async_equal", s.async_equal)
     record("signal_sigterm", s.preempt, "sigterm", signal.SIGTERM)
     record("signal_sigusr1", s.preempt, "sigusr1", signal.SIGUSR1, ["--exit-signal", "SIGUSR1", "--async-save"])
+    record("signal_sigint", s.preempt, "sigint", signal.SIGINT)  # Ctrl-C with the default --exit-signal SIGTERM
+    record("sigint_twice", s.sigint_twice)
+    record("metrics_disk_full", s.metrics_disk_full)
     return report

@@ -191,7 +191,8 @@ def test_async_save_is_loadable_and_equal(scenarios):
 # ------------------------------------------------------------------------------------------------ preemption
 
 
-@pytest.mark.parametrize("name, signame", [("signal_sigterm", "SIGTERM"), ("signal_sigusr1", "SIGUSR1")])
+@pytest.mark.parametrize("name, signame", [("signal_sigterm", "SIGTERM"), ("signal_sigusr1", "SIGUSR1"),
+                                           ("signal_sigint", "SIGINT")])
 def test_exit_signal_finishes_step_saves_and_exits_zero(scenarios, name, signame):
     r = _scenario(scenarios, name)
     assert r["exit"] == [0, 0], r
@@ -204,3 +205,29 @@ def test_exit_signal_finishes_step_saves_and_exits_zero(scenarios, name, signame
     for it, values in r["first"].items():
         assert values == r["reference"][it]
     _matches_reference(r, k + 1)
+
+
+def test_second_ctrl_c_stops_at_once_with_one_line(scenarios):
+    r = _scenario(scenarios, "sigint_twice")
+    assert r["exit"] == 130 and not r["traceback"], r["tail"]
+    assert len(r["received"]) == 1 and "Ctrl-C again stops at once" in r["received"][0], r["received"]
+    assert r["errors"] == ["error: interrupted (Ctrl-C twice): stopped at once, the unfinished step is not saved; "
+                           "the checkpoints reported saved are complete"], r["tail"]
+    # nothing half-promoted: the checkpoints are the ones reported saved, the pointer names the newest
+    saved = [line.split("iter_")[-1] for line in r["saved"]]
+    assert r["complete"] == [f"iter_{s}" for s in saved] and r["latest"] == int(saved[-1]), r
+
+
+# ------------------------------------------------------------------------------------------------ metrics file
+
+
+def test_metrics_file_never_keeps_a_torn_record(scenarios):
+    r = _scenario(scenarios, "metrics_disk_full")
+    assert r["exit"] == 2 and not r["traceback"] and len(r["errors"]) == 1, r["tail"]
+    error = r["errors"][0]
+    for needle in (f"--tensorboard-dir {Path(r['jsonl']).parent}: writing metrics.jsonl failed (wrote 40 of ",
+                   "file-size limit (ulimit -f)", "the file ends at its last whole record"):
+        assert needle in error, (needle, error)
+    assert r["ends_with_newline"], r["lines"][-1:]
+    records = [json.loads(line) for line in r["lines"]]  # every line parses: nothing torn
+    assert len(records) == r["earlier_lines"] + 2 and [x["iteration"] for x in records[-2:]] == [1, 2]
