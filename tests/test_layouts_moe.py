@@ -239,3 +239,40 @@ def test_node_sizes_that_form_whole_nodes_are_accepted():
         assert args_to_overrides(args)["moe_hybridep_node_size"] == int(argv[-1])
     assert "moe_hybridep_node_size" not in args_to_overrides(validate_args(parse_args(["--node-size", "2"]), 1))
     assert _tiny_layer_config(moe_hybridep_node_size=2).moe_hybridep_node_size == 2  # a real config field
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Resume at another world size: the global batch is the checkpoint's
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _run_steps(nproc: int, out, flags) -> dict:
+    """finetune_glm5.py with exactly ``flags`` (the harness's _train adds --global-batch-size); {iteration: metrics}."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    _launch(nproc, "finetune_glm5.py", [*flags, "--tensorboard-dir", str(out / "tb")], out / "log.txt")
+    records = [json.loads(line) for line in (out / "tb" / "metrics.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r for r in records if "lm-loss" in r}
+
+
+@pytest.mark.distributed
+def test_ep2_checkpoint_resumes_in_one_process_with_its_global_batch(tmp_path):
+    """Two processes at EP2 with the default global batch (micro-batch 2 x DP2 = 4) save at step 3; one process
+    resumes with no batch flags: it keeps the checkpoint's global batch 4 (two micro-batches, not the one-process
+    default 2), so the LR schedule and the losses are those of the uninterrupted two-process run."""
+    from layouts_harness import LOSS_RTOL, RESUME_AT, TRAIN, _rel
+
+    at = TRAIN.index("--global-batch-size")
+    flags = TRAIN[:at] + TRAIN[at + 2:] + ["--num-workers", "0", "--train-iters", str(STEPS)]
+    assert "--global-batch-size" not in flags  # the default: --micro-batch-size 2 x data-parallel size
+    both = _run_steps(2, tmp_path / "ep2", flags + ["--ep", "2", "--save", str(tmp_path / "ep2-ckpt"),
+                                                     "--save-interval", str(RESUME_AT)])
+    one = _run_steps(1, tmp_path / "one", flags + ["--no-save",
+                                                    "--load", str(tmp_path / "ep2-ckpt" / f"iter_{RESUME_AT:07d}")])
+    log = (tmp_path / "one" / "log.txt").read_text()
+    assert "global batch 4 (the checkpoint's; this layout's default would be 2)" in log, log[-3000:]
+    assert sorted(one) == list(range(RESUME_AT + 1, STEPS + 1))
+    for i in one:
+        assert one[i]["learning-rate"] == both[i]["learning-rate"], (i, one[i], both[i])
+        assert _rel(one[i]["lm-loss"], both[i]["lm-loss"]) < LOSS_RTOL, (i, one[i]["lm-loss"], both[i]["lm-loss"])

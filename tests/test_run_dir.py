@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from megatron_glm5.checkpoint.format import model_description, model_fingerprint
 from megatron_glm5.config import GLM5Config
 from megatron_glm5.training import run_dir
 
@@ -124,13 +125,13 @@ def test_a_live_lock_refuses_and_a_dead_one_is_taken(tmp_path):
 
 def test_fingerprint_covers_function_fields_only():
     base = GLM5Config.from_preset("tiny")
-    fp = run_dir.model_fingerprint(base)
+    fp = model_fingerprint(base)
     for change in ({"n_group": 2, "topk_group": 1}, {"num_experts_per_tok": 3}, {"routed_scaling_factor": 1.0},
                    {"rope_theta": 5.0}, {"rms_norm_eps": 1e-3}):
-        assert run_dir.model_fingerprint(base.replace(**change)) != fp, change
-    assert run_dir.model_fingerprint(base.replace(eos_token_id=[7], initializer_range=0.5)) == fp
-    record = json.loads(json.dumps(run_dir.model_description(base)))  # JSON-ready
-    assert record == run_dir.model_description(base)
+        assert model_fingerprint(base.replace(**change)) != fp, change
+    assert model_fingerprint(base.replace(eos_token_id=[7], initializer_range=0.5)) == fp
+    record = json.loads(json.dumps(model_description(base)))  # JSON-ready
+    assert record == model_description(base)
 
 
 def test_a_run_that_saved_nothing_is_restarted_by_the_same_model_only(tmp_path):

@@ -390,6 +390,158 @@ def test_global_batch_not_divisible_is_a_flag_error(tmp_path):
     assert_user_error(proc, "--global-batch-size 3", "--micro-batch-size 2", workdir=tmp_path)
 
 
+# ---------------------------------------------------------------------------- 9. resume: model, batch, optimizer
+
+
+def test_resume_switching_distributed_optimizer_continues(resume_runs, tmp_path):
+    """--use-distributed-optimizer switched at a resume, both ways: the optimizer state converts (Adam's moments,
+    step, main parameters) and training continues as the uninterrupted run did: the first resumed step's loss
+    bitwise (the weights), the later ones within 1e-6 (the two optimizers sum the gradient norm, hence the
+    clipping factor, in another order; an optimizer starting afresh differs by far more)."""
+    plain, dist = resume_runs["finetune"].root, resume_runs["pretrain"].root  # pretrain ran distributed
+    to_dist, to_plain = run_entries([
+        ("finetune", RESUME_FLAGS + ["--load", plain / "B", "--save", "CD", "--use-distributed-optimizer"], tmp_path),
+        ("pretrain", RESUME_FLAGS + ["--load", dist / "B", "--save", "CP"], tmp_path)])
+    for proc, saved, now, root, out in ((to_dist, "plain", "distributed", plain, "CD"),
+                                        (to_plain, "distributed", "plain", dist, "CP")):
+        check_ok(proc)
+        assert f"written by the {saved} optimizer, this run uses the {now} one" in proc.stdout, describe(proc)
+        a, c = read_metrics(root / "A" / "tensorboard"), read_metrics(tmp_path / out / "tensorboard")
+        sa, sc = series(a, "lm-loss"), series(c, "lm-loss")
+        assert sorted(sc) == list(range(7, 13)), describe(proc)
+        assert sc[7] == sa[7], (out, sa, sc)
+        assert all(sc[i] == pytest.approx(sa[i], rel=1e-6) for i in range(8, 13)), (out, sa, sc)
+        ga, gc = series(a, "grad-norm"), series(c, "grad-norm")
+        assert all(gc[i] == pytest.approx(ga[i], rel=1e-6) for i in range(7, 13)), (out, ga, gc)
+        assert series(c, "learning-rate") == {i: series(a, "learning-rate")[i] for i in range(7, 13)}
+
+
+BF16_SWITCH_SCRIPT = """
+import tempfile, torch
+from megatron.core import parallel_state as ps
+from megatron_glm5 import platform
+from megatron_glm5.mcore_patches import registry as mcore_patches
+from megatron_glm5.mcore_patches.record import Phase
+from megatron_glm5.arguments import parse_args, validate_args
+from megatron_glm5.training import checkpointing, loop
+from megatron_glm5.training.optim import build_optimizer, build_scheduler
+
+mcore_patches.apply_phase(Phase.TRAINING)
+
+def build(seed, save, dist):
+    flags = ["--preset", "tiny", "--attn", "torch", "--seq-length", "32", "--micro-batch-size", "1",
+             "--global-batch-size", "1", "--seed", str(seed), "--no-mtp", "--save", save, "--lr-warmup-iters", "0"]
+    args = parse_args(flags + (["--use-distributed-optimizer"] if dist else []), mode="pretrain")
+    validate_args(args, world_size=1)
+    args.bf16, args.params_dtype = True, torch.bfloat16  # the flags refuse bf16 without a GPU
+    torch.manual_seed(seed)
+    platform.initialize_model_parallel(seed=seed)
+    model = loop.wrap_ddp(args, loop.build_model_chunks(args))
+    optimizer = build_optimizer(args, model)
+    return args, model, optimizer, build_scheduler(args, optimizer)
+
+def step(model, opt, seed):  # one update from fixed pseudo-random gradients
+    torch.manual_seed(seed)
+    for m in model:
+        m.zero_grad_buffer()
+    opt.zero_grad()
+    for p in model[0].module.parameters():
+        p.main_grad.copy_(torch.randn(p.shape) * 1e-2)
+    opt.step()
+
+def weights(model):
+    return {k: v.detach().float().clone() for k, v in model[0].module.state_dict().items()
+            if torch.is_tensor(v) and v.is_floating_point()}
+
+for src_dist in (False, True):
+    tmp = tempfile.mkdtemp()
+    args, model, opt, sched = build(1, tmp, src_dist)
+    step(model, opt, 11)
+    step(model, opt, 12)
+    checkpointing.save_checkpoint(tmp, 2, [m.module for m in model], opt, sched, args, {"consumed_train": 0})
+    step(model, opt, 13)
+    ref = weights(model)
+    ps.destroy_model_parallel()
+    for fresh in (False, True):  # fresh: without the optimizer state (the control: it must differ)
+        args, model, opt, sched = build(2, tmp, not src_dist)
+        args.load, args.no_load_optim = tmp, fresh
+        checkpointing.load_checkpoint(tmp, [m.module for m in model], opt, sched, args)
+        step(model, opt, 13)
+        got = weights(model)
+        print("RESULT", src_dist, fresh, sum(not torch.equal(ref[k], got[k]) for k in ref), len(ref))
+        ps.destroy_model_parallel()
+"""
+
+
+def test_bf16_optimizer_state_converts_between_plain_and_distributed(tmp_path):
+    """bf16 (the GPU path; built directly, the flags refuse bf16 on CPU): a checkpoint of megatron-core's plain
+    bf16 optimizer (fp32 main copies as optimizer.state.fp32_param) loads into the distributed optimizer (main
+    copies as optimizer.state.param) and back; the next update gives bitwise the weights of the uninterrupted
+    run, which loading without the optimizer state does not."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-c", BF16_SWITCH_SCRIPT], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600, env={"PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+                                         "TORCHDYNAMO_DISABLE": "1"})
+    results = [line.split()[1:] for line in r.stdout.splitlines() if line.startswith("RESULT")]
+    assert r.returncode == 0 and len(results) == 4, r.stderr[-3000:]
+    for src_dist, fresh, differ, total in results:
+        what = ("distributed -> plain" if src_dist == "True" else "plain -> distributed", fresh)
+        assert int(total) > 50, what
+        assert int(differ) == 0 if fresh == "False" else int(differ) > 10, (what, differ, total)
+
+
+def _hf_config(tmp_path, name: str, **changes) -> Path:
+    from megatron_glm5 import GLM5Config
+
+    hf = GLM5Config.from_preset("tiny").to_hf()
+    for key, value in changes.items():
+        if key == "rope_theta":
+            hf["rope_parameters"]["rope_theta"] = value
+        else:
+            hf[key] = value
+    path = tmp_path / name
+    path.mkdir()
+    _write(path / "config.json", json.dumps(hf))
+    return path
+
+
+def test_resume_compares_every_model_field_and_load_alone_takes_the_checkpoints_model(resume_runs, tmp_path):
+    """Every field that changes what the model computes is compared at a resume (not only the weight shapes); a
+    fine-tune from the weights with another rope_theta is allowed with a warning; --load DIR alone builds the
+    model the checkpoint holds, and --preset contradicting it is one line naming both values."""
+    ckpt = resume_runs["finetune"].root / "B"  # the tiny preset (rope_theta 10000), at iteration 6
+    rope = _hf_config(tmp_path, "rope", rope_theta=8e6)
+    routing = _hf_config(tmp_path, "routing", n_group=2, num_experts_per_tok=3, routed_scaling_factor=1.0,
+                         rms_norm_eps=1e-3)
+    quick = ["--train-iters", "1", "--eval-iters", "0", "--log-interval", "1"]
+    other_rope, other_routing, finetune_rope, saved_rope = run_entries([
+        ("finetune", ["--hf-config", rope, "--load", ckpt, "--no-save", "--train-iters", "8"], tmp_path),
+        ("finetune", ["--hf-config", routing, "--load", ckpt, "--no-save", "--train-iters", "8"], tmp_path),
+        ("finetune", quick + ["--hf-config", rope, "--load", ckpt, "--finetune", "--no-save"], tmp_path),
+        ("finetune", quick + ["--hf-config", rope, "--save", "R"], tmp_path)])
+    assert_user_error(other_rope, f"--load {ckpt}", "checkpoint has rope_theta=10000.0 but the model "
+                      f"(--hf-config {rope}) has 8000000.0", "--finetune")
+    message = assert_user_error(other_routing, f"--load {ckpt}", "(--hf-config ")
+    for field in ("n_group", "num_experts_per_tok", "rms_norm_eps", "routed_scaling_factor"):
+        assert field in message, (field, message)
+    check_ok(finetune_rope)
+    assert "fine-tuning the checkpoint's weights as another model (rope_theta: 10000.0 -> 8000000.0" in \
+        finetune_rope.stdout, describe(finetune_rope)
+    check_ok(saved_rope)
+
+    alone, contradicted = run_entries([
+        ("finetune", quick + ["--load", "R", "--finetune", "--save", "R2"], tmp_path),
+        ("finetune", ["--load", "R", "--preset", "tiny", "--no-save", "--train-iters", "2"], tmp_path)])
+    check_ok(alone)
+    assert "model: the one checkpoint R holds" in alone.stdout, describe(alone)
+    assert json.loads((tmp_path / "R2" / "run.json").read_text())["model"]["rope_theta"] == 8e6
+    assert_user_error(contradicted, "--load R/iter_0000001: checkpoint has rope_theta=8000000.0 but the model "
+                      "(--preset tiny) has 10000.0")
+
+
 # ------------------------------------------------------------------------------------------------ 1. the default
 
 

@@ -13,7 +13,10 @@ save. ``--async-save`` plans and snapshots at the save call and writes in a back
 rename and pointer follow once every rank's writer is done. Loading a --save root takes the newest checkpoint
 whose files match its manifest, skipping (with a warning naming the file) any newer incomplete or damaged one;
 ``--keep-last N`` never deletes the newest checkpoint that verifies. Sharded tensors carry global shapes and
-offsets, so a checkpoint loads into any parallel layout that divides the model (``fully_reshardable``).
+offsets, so a checkpoint loads into any parallel layout that divides the model (``fully_reshardable``), with
+the plain or the distributed optimizer whichever wrote it (training/optimizer_state.py). A resume refuses another
+model (every field that changes what it computes; its record holds the model's fingerprint and description) and
+keeps the checkpoint's global batch unless --global-batch-size is given.
 docs/fault_tolerance.md has the guarantees and the fault-injection tests.
 """
 from __future__ import annotations
@@ -41,20 +44,25 @@ from megatron_glm5.checkpoint.format import (
     CheckpointFormatError,
     ModelRecord,
     complete_dirs,
+    describe_difference,
+    differing_fields,
     iteration_dir,
     iteration_of,
     layout_record,
+    model_description,
+    model_fingerprint,
     partial_dir,
     partial_dirs,
     pointed_dir,
     read_latest,
     write_latest,
 )
-from megatron_glm5.config import ARCH_FIELDS  # model fields a checkpoint and the model must agree on
+from megatron_glm5.config import ARCH_FIELDS, ConfigError, GLM5Config  # ARCH_FIELDS: the fields shaping weights
 from megatron_glm5.errors import UserError
 from megatron_glm5.training import fault_hooks
+from megatron_glm5.training import optimizer_state
 from megatron_glm5.training.device import current_device
-from megatron_glm5.training.optim import ensure_optimizer_state
+from megatron_glm5.training.optim import ensure_optimizer_state, rescale_scheduler
 
 log = logging.getLogger("megatron_glm5.checkpoint")
 
@@ -203,7 +211,10 @@ def _sharded_state(iteration, model_chunks, optimizer, scheduler, args, data_sta
     state["data_state"] = data_state
     state["rng_state"] = _rng_sharded_object()
     state[RECORD_KEY] = ModelRecord(model_config=args.model_config.to_hf(), layout=layout_of(args), mode=args.mode,
-                                    trainable=trainable_of(args)).to_common()
+                                    trainable=trainable_of(args),
+                                    model_fingerprint=model_fingerprint(args.model_config),
+                                    model_description=model_description(args.model_config),
+                                    global_batch_size=args.global_batch_size).to_common()
     return state
 
 
@@ -436,21 +447,106 @@ def _host_copy(write_buckets, copy: bool):
     return staged
 
 
-def _check_same_model(record: ModelRecord | None, args, path: str):
+def _explicit(args) -> set:
+    """The dests given on the command line or in --config (arguments.parse_args); everything when unknown."""
+    flags = getattr(args, "explicit_flags", None)
+    return set(vars(args)) if flags is None else set(flags)
+
+
+def _model_source(args) -> str:
+    """Where this run's model comes from, in the flags' words."""
+    if getattr(args, "hf_config", None):
+        return f"--hf-config {args.hf_config}"
+    if "preset" in _explicit(args) or not getattr(args, "load", None):
+        return f"--preset {args.preset}"
+    return f"read from --load {args.load}"
+
+
+def _saved_description(record: ModelRecord) -> dict | None:
+    """The checkpoint's model description: recorded, or derived from its config.json (older checkpoints)."""
+    if record.model_description is not None:
+        return record.model_description
+    try:
+        return model_description(GLM5Config.from_hf(record.model_config))
+    except (ConfigError, TypeError, ValueError):
+        return None
+
+
+def _check_same_model(record: ModelRecord | None, args, path: str, finetune: bool):
+    """Every field that changes what the model computes must agree (a resume continues the same function); a
+    fine-tune (weights only) may change the others (e.g. rope_theta for a longer context), with a warning naming
+    them, but never the fields that shape the weights."""
     if record is None:
         raise CheckpointMismatch(f"{path}: not a megatron-glm5 checkpoint (no model description); "
                                  "convert HF weights with tools/convert_hf_to_megatron.py")
-    saved = record.model_config
-    current = args.model_config.to_hf()
-    for field in ARCH_FIELDS:
-        if field in saved and saved[field] != current.get(field):
-            raise CheckpointMismatch(f"--load {path}: checkpoint has {field}={saved[field]!r} but the model "
-                                     f"(--preset/--hf-config) has {current.get(field)!r}")
+    if record.model_fingerprint is not None and record.model_fingerprint == model_fingerprint(args.model_config):
+        return
+    saved, current = _saved_description(record), model_description(args.model_config)
+    if saved is None:  # a config.json this version cannot read: compare the fields that shape the weights
+        hf = args.model_config.to_hf()
+        saved = {f: record.model_config[f] for f in ARCH_FIELDS if f in record.model_config}
+        current = {f: hf.get(f) for f in saved}
+    differ = differing_fields(saved, current)
+    if not differ:
+        return
+    shapes = [f for f in differ if f in ARCH_FIELDS]
+    if finetune and not shapes:
+        log.warning("--load %s: fine-tuning the checkpoint's weights as another model (%s; the model from %s)",
+                    path, describe_difference(saved, current), _model_source(args))
+        return
+    first = (shapes or differ)[0]
+    rest = [f for f in differ if f != first]
+    also = ""
+    if rest:
+        also = f" (also differ: {describe_difference({f: saved[f] for f in rest}, {f: current[f] for f in rest})})"
+    if shapes:
+        advice = "the weights do not fit this model: use the checkpoint's model (leave out --preset/--hf-config)"
+    else:
+        advice = ("resume with the checkpoint's model (leave out --preset/--hf-config), or pass --finetune to start "
+                  "a new run from its weights with this model")
+    raise CheckpointMismatch(f"--load {path}: checkpoint has {first}={saved.get(first)!r} but the model "
+                             f"({_model_source(args)}) has {current.get(first)!r}{also}; {advice}")
 
 
-def _check_model_tensors(model_sd: dict, path: str):
+def _saved_global_batch(record: ModelRecord, path: str) -> int | None:
+    """The checkpoint's global batch: recorded, or in the args of its manifest (older checkpoints)."""
+    if record.global_batch_size is not None:
+        return record.global_batch_size
+    try:
+        value = checkpoint_manifest.read_manifest(path).get("args", {}).get("global_batch_size")
+    except (OSError, ValueError, CheckpointFormatError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+def _resume_global_batch(record: ModelRecord, args, path: str, scheduler) -> None:
+    """A resume keeps the checkpoint's global batch (its LR schedule and data position count its samples) unless
+    --global-batch-size is given; the default (micro-batch x data-parallel size) follows the layout, which may
+    have changed."""
+    saved = _saved_global_batch(record, path)
+    if saved is None or saved == args.global_batch_size:
+        return
+    if "global_batch_size" in _explicit(args):
+        log.warning("resuming with --global-batch-size %d; the checkpoint trained with %d (its LR schedule, counted "
+                    "in samples, continues at %d samples per iteration)", args.global_batch_size, saved,
+                    args.global_batch_size)
+        return
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if saved % per_step:
+        raise CheckpointMismatch(
+            f"--load {path}: the checkpoint's global batch {saved} is not divisible by --micro-batch-size "
+            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}; pass "
+            f"--global-batch-size (a multiple of {per_step}) to change the batch, or another --micro-batch-size")
+    log.info("global batch %d (the checkpoint's; this layout's default would be %d): %d micro-batch(es) of %d per "
+             "rank and step", saved, args.global_batch_size, saved // per_step, args.micro_batch_size)
+    args.global_batch_size, args.num_microbatches = saved, saved // per_step
+    if scheduler is not None:
+        rescale_scheduler(scheduler, args)
+
+
+def _check_model_tensors(model_sd: dict, path: str) -> set:
     """Every tensor of this model must be in the checkpoint (say which is not, instead of dist_checkpointing's
-    KeyError listing the whole checkpoint)."""
+    KeyError listing the whole checkpoint). Returns the keys of the checkpoint's tensors."""
     from megatron.core.dist_checkpointing import load_tensors_metadata
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -458,12 +554,22 @@ def _check_model_tensors(model_sd: dict, path: str):
     saved = load_tensors_metadata(path)
     missing = sorted({t.key for t in nested_values(model_sd) if isinstance(t, ShardedTensor) and t.key not in saved})
     if not missing:
-        return
+        return set(saved)
     hint = ""
     if all(k.startswith("mtp.") for k in missing):
         hint = " (it was saved without the MTP layer: pass --no-mtp)"
     raise CheckpointMismatch(f"--load {path}: the checkpoint lacks {len(missing)} tensor(s) of this model, e.g. "
                              f"{missing[0]}{hint}")
+
+
+def _loaded_model_tensors(state: dict, loaded: dict) -> dict:
+    """{checkpoint key: loaded tensor} of the model's tensors (the request ``state``, its result ``loaded``)."""
+    out = {}
+    for chunk in (k for k in state if k.startswith("model")):
+        for name, t in state[chunk].items():
+            if isinstance(t, optimizer_state.TENSOR_TYPES()) and torch.is_tensor(loaded[chunk].get(name)):
+                out[t.key] = loaded[chunk][name]
+    return out
 
 
 def resolve_load_dir(load: str) -> tuple[str, int | None]:
@@ -531,15 +637,38 @@ def _set_group_lrs(optimizer, schedule) -> None:
 
 
 def _warn_if_schedule_flags_ignored(scheduler, args) -> None:
-    """A resumed run follows the checkpoint's LR schedule; say so when the flags ask for another one."""
+    """A resumed run follows the checkpoint's LR schedule; say so when flags given explicitly ask for another."""
     if args.override_opt_param_scheduler:
         return
-    differs = [f"{flag} {mine:g} (checkpoint: {theirs:g})" for flag, mine, theirs in
-               (("--lr", args.lr, scheduler.max_lr), ("--min-lr", args.min_lr, scheduler.min_lr))
-               if mine != theirs]
+    explicit, gbs = _explicit(args), args.global_batch_size
+    differs = [f"--{dest.replace('_', '-')} {mine:g} (checkpoint: {theirs:g})" for dest, mine, theirs in
+               (("lr", args.lr, scheduler.max_lr), ("min_lr", args.min_lr, scheduler.min_lr),
+                ("lr_warmup_iters", args.lr_warmup_iters, scheduler.lr_warmup_steps / gbs),
+                ("lr_decay_iters", args.lr_decay_iters, scheduler.lr_decay_steps / gbs))
+               if mine != theirs and (dest in explicit or (dest == "lr_warmup_iters"
+                                                           and "lr_warmup_fraction" in explicit))]
+    if "lr_decay_style" in explicit and args.lr_decay_style != scheduler.lr_decay_style:
+        differs.append(f"--lr-decay-style {args.lr_decay_style} (checkpoint: {scheduler.lr_decay_style})")
     if differs:
         log.warning("resuming with the checkpoint's learning-rate schedule, not %s; pass "
                     "--override-opt-param-scheduler to use the flags", ", ".join(differs))
+
+
+def _load_optimizer_request(optimizer, model_sd: dict, common: dict, path: str, saved_keys):
+    """The optimizer's part of the load request, and how to finish it: (request, from_model, saved kind). A
+    checkpoint of the other optimizer kind (--use-distributed-optimizer switched) is read through
+    optimizer_state.py."""
+    request = optimizer.sharded_state_dict(model_sd, is_loading=True,
+                                           metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+    saved = optimizer_state.saved_kind(common.get("optimizer"))
+    if saved is None or saved == optimizer_state.kind(optimizer):
+        return request, [], None
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    model_keys = {t.key for t in nested_values(model_sd) if isinstance(t, optimizer_state.TENSOR_TYPES())}
+    log.info("--load %s: the optimizer state was written by the %s optimizer, this run uses the %s one "
+             "(--use-distributed-optimizer): converting it", path, saved, optimizer_state.kind(optimizer))
+    return request, optimizer_state.retarget(request, saved_keys, model_keys), saved
 
 
 def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict:
@@ -557,14 +686,16 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
         log.warning("%s now points to iteration %d", os.path.join(load, LATEST), chosen)
     common = dist_checkpointing.load_common_state_dict(path)
     record = ModelRecord.from_common(common)
-    _check_same_model(record, args, path)
     finetune = args.finetune
-    if not finetune and record.mode == "converted":
+    if record is not None and not finetune and record.mode == "converted":
         log.info("--load %s is a converted HF checkpoint (weights only): loading it as with --finetune", path)
         finetune = True
+    _check_same_model(record, args, path, finetune)
+    if not finetune:
+        _resume_global_batch(record, args, path, scheduler)
     state = _model_sharded_state(model_chunks)
     model_sd = state["model"] if "model" in state else dict(state)
-    _check_model_tensors(model_sd, path)
+    saved_keys = _check_model_tensors(model_sd, path)
     load_optim = load_sched = not finetune and not args.no_load_optim
     saved_trainable = record.trainable if record.trainable is not None else trainable_of(args)
     if load_optim and saved_trainable != trainable_of(args):
@@ -580,8 +711,8 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
         # megatron-core pairs saved and current parameter groups by their max_lr/min_lr among other keys: build the
         # groups with the checkpoint's values so that a resume with other --lr/--min-lr flags still loads
         _set_group_lrs(optimizer, common.get("scheduler"))
-        state["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=True, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        state["optimizer"], from_model, saved_kind = _load_optimizer_request(optimizer, model_sd, common, path,
+                                                                             saved_keys)
     if load_rng:
         state["rng_state"] = _rng_sharded_object()
     loaded = dist_checkpointing.load(state, path)
@@ -591,7 +722,16 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
         if missing:
             raise CheckpointMismatch(f"--load {path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
     if load_optim:
-        optimizer.load_state_dict(loaded["optimizer"])
+        optimizer_sd = loaded["optimizer"]
+        if saved_kind is not None:
+            optimizer_state.fill_from_model(optimizer_sd, from_model, _loaded_model_tensors(state, loaded))
+            try:
+                optimizer_sd = optimizer_state.convert(optimizer_sd, optimizer, saved_kind)
+            except KeyError as e:
+                raise CheckpointMismatch(f"--load {path}: cannot convert the {saved_kind} optimizer's state for "
+                                         f"this run's optimizer ({e.args[0]}); pass --no-load-optim to start the "
+                                         "optimizer afresh") from None
+        optimizer.load_state_dict(optimizer_sd)
     elif optimizer is not None:  # (tools load weights without an optimizer)
         # bf16/fp16 optimizers keep fp32 main copies of the parameters, made when the optimizer was built (from the
         # random initialisation); without this the first step would copy them back over the loaded weights.

@@ -17,27 +17,38 @@ def build_optimizer(args, model_chunks):
     return get_megatron_optimizer(cfg, model_chunks)
 
 
+def _schedule_steps(args) -> dict:
+    """The schedule's lengths in samples (the flags give them in iterations of --global-batch-size samples)."""
+    gbs = args.global_batch_size
+    wsd = args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters
+    return dict(lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+                wd_incr_steps=args.train_iters * gbs, wsd_decay_steps=args.lr_wsd_decay_iters * gbs if wsd else None)
+
+
 def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
     """Steps are counted in samples (megatron-core's convention): scheduler.step(global_batch_size) per iteration."""
-    gbs = args.global_batch_size
     style = {"WSD": "WSD"}.get(args.lr_decay_style, args.lr_decay_style)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=not args.override_opt_param_scheduler,
         override_opt_param_scheduler=bool(args.override_opt_param_scheduler),
-        wsd_decay_steps=(args.lr_wsd_decay_iters * gbs) if style == "WSD" and args.lr_wsd_decay_iters else None,
         lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None) if style == "WSD" else None,
+        **_schedule_steps(args),
     )
+
+
+def rescale_scheduler(scheduler: OptimizerParamScheduler, args) -> None:
+    """After --global-batch-size changed (a resume taking the checkpoint's): the schedule's lengths in samples
+    for the new batch, before the checkpoint's schedule state is loaded over them."""
+    for name, value in _schedule_steps(args).items():
+        setattr(scheduler, name, value)
 
 
 def ensure_optimizer_state(optimizer) -> None:

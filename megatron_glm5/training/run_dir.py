@@ -20,10 +20,8 @@ Rules at start (:func:`claim`, collective: rank 0 decides, every rank gets the s
 """
 from __future__ import annotations
 
-import dataclasses
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -35,6 +33,7 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 from megatron_glm5.checkpoint import format as ckpt_format
+from megatron_glm5.checkpoint.format import describe_difference, model_description, model_fingerprint
 from megatron_glm5.errors import UserError
 
 log = logging.getLogger("megatron_glm5.run")
@@ -42,34 +41,12 @@ log = logging.getLogger("megatron_glm5.run")
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
 RUN_FORMAT = 1
-# config fields that do not change the function the model computes (generation ids, the init scale, the source dict)
-_NON_FUNCTIONAL_FIELDS = ("raw", "initializer_range", "bos_token_id", "eos_token_id")
 # what a run directory's previous run leaves, removed by --overwrite (names inside the directory)
 _RUN_ARTIFACTS = (ckpt_format.LATEST, "tensorboard", RUN_FILE)
 
 
 class RunDirectoryError(UserError):
     """The run directory belongs to another run (or is locked by one)."""
-
-
-def model_description(cfg) -> Dict[str, Any]:
-    """Every GLM5Config field that changes what the model computes, JSON-ready and in a fixed order."""
-    d = dataclasses.asdict(cfg)
-    return {k: d[k] for k in sorted(d) if k not in _NON_FUNCTIONAL_FIELDS}
-
-
-def model_fingerprint(cfg) -> str:
-    """A short stable hash of :func:`model_description`."""
-    text = json.dumps(model_description(cfg), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def describe_difference(saved: Dict[str, Any], current: Dict[str, Any], limit: int = 6) -> str:
-    """'field: saved -> current' for the fields that differ (at most ``limit`` named)."""
-    keys = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
-    shown = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys[:limit]]
-    more = f" (and {len(keys) - limit} more)" if len(keys) > limit else ""
-    return "; ".join(shown) + more
 
 
 def default_run_root(mode: str, model_slug: str) -> str:
