@@ -13,14 +13,17 @@ converters) plus what this project adds around it::
 
 A converted checkpoint is one such directory on its own (no root, no pointer, no manifest). The common state
 (megatron-core's ``common_state`` object, ``COMMON_KEY``; ``common.pt`` in older megatron-core) holds, under
-``"glm5"``, the :class:`ModelRecord`: what model and run the checkpoint is of.
+``"glm5"``, the :class:`ModelRecord`: what model and run the checkpoint is of; :func:`read_record` reads it from
+a directory (without megatron-core), with ``mtp`` always known.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import re
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from megatron_glm5.errors import UserError
 
@@ -88,7 +91,9 @@ def read_latest(root: str) -> Optional[int]:
     path = os.path.join(root, LATEST)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path, "rb") as f:
+        raw = f.read(64)
+    text = raw.decode("ascii", errors="replace").strip()
     if not text.isdigit():
         raise CheckpointFormatError(f"{path}: expected an iteration number, found {text!r}")
     return int(text)
@@ -113,6 +118,41 @@ def write_latest(root: str, iteration: int) -> None:
     os.replace(tmp, os.path.join(root, LATEST))
 
 
+# --------------------------------------------------------------------------------------------- the model's identity
+
+#: GLM5Config fields that do not change the function the model computes (generation ids, the init scale, the source)
+NON_FUNCTIONAL_FIELDS = ("raw", "initializer_range", "bos_token_id", "eos_token_id")
+
+
+def model_description(cfg) -> Dict[str, Any]:
+    """Every field of a GLM5Config that changes what the model computes, JSON-ready and in a fixed order."""
+    d = dataclasses.asdict(cfg)
+    return {k: d[k] for k in sorted(d) if k not in NON_FUNCTIONAL_FIELDS}
+
+
+def model_fingerprint(cfg) -> str:
+    """A short stable hash of :func:`model_description` (a run's and a checkpoint's model identity)."""
+    return description_fingerprint(model_description(cfg))
+
+
+def description_fingerprint(description: Dict[str, Any]) -> str:
+    text = json.dumps(description, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def differing_fields(saved: Dict[str, Any], current: Dict[str, Any]) -> list:
+    """The keys whose values differ between two descriptions (sorted)."""
+    return [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+
+
+def describe_difference(saved: Dict[str, Any], current: Dict[str, Any], limit: int = 6) -> str:
+    """'field: saved -> current' for the fields that differ (at most ``limit`` named)."""
+    keys = differing_fields(saved, current)
+    shown = [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys[:limit]]
+    more = f" (and {len(keys) - limit} more)" if len(keys) > limit else ""
+    return "; ".join(shown) + more
+
+
 # ------------------------------------------------------------------------------------------------ the "glm5" record
 
 
@@ -128,15 +168,18 @@ class ModelRecord:
     Written by the trainer (``mode`` "pretrain"/"finetune", with ``trainable``) and by the HF converter (``mode``
     "converted", with ``mtp`` and ``source``); a field that does not apply is None and is not stored, so each
     writer stores the keys it always has. Reading takes either set (and a checkpoint missing any field but
-    ``model_config``): absent fields read as None.
+    ``model_config``): absent fields read as None (``read_record`` fills in ``mtp`` from the stored tensors).
     """
 
     model_config: dict  # the HF config.json of the model
     layout: Optional[dict] = None  # layout_record() of the writer
     mode: Optional[str] = None  # "pretrain", "finetune" or "converted" (weights only: loaded as with --finetune)
     trainable: Optional[str] = None  # training: which parameters the optimizer state covers ("all", ...)
-    mtp: Optional[bool] = None  # converted: whether the MTP layer was converted
-    source: Optional[dict] = None  # converted: {"hf_dir", "dtype", "fp8_dequantized"}
+    mtp: Optional[bool] = None  # whether the checkpoint holds the MTP layer's weights (read_record fills it in)
+    source: Optional[dict] = None  # converted: {"hf_dir", "dtype", "fp8_dequantized", "mtp": the HF dir had it}
+    model_fingerprint: Optional[str] = None  # training: model_fingerprint() of the model (absent: older writers)
+    model_description: Optional[dict] = None  # training: model_description() of the model (the fingerprint's text)
+    global_batch_size: Optional[int] = None  # training: samples per iteration (a resume keeps it: --global-batch-size)
     format_version: int = FORMAT_VERSION
 
     def to_common(self) -> dict:
@@ -151,3 +194,95 @@ class ModelRecord:
             return None
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in entry.items() if k in names})
+
+
+# ------------------------------------------------------------------------------------------------ reading a directory
+
+
+def load_dcp_metadata(directory: str):
+    """The ``.metadata`` index of a torch_dist directory (a torch ``Metadata``: chunks, shapes, where each item is)."""
+    import pickle
+
+    path = os.path.join(directory, DCP_METADATA)
+    if not os.path.isfile(path):
+        raise CheckpointFormatError(f"{directory}: no {DCP_METADATA} (not a torch_dist checkpoint, or its save did "
+                                    "not finish)")
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a corrupt file
+        raise CheckpointFormatError(f"{path}: cannot read the checkpoint metadata ({e})") from None
+
+
+def read_dcp_object(directory: str, metadata, key: str, opened=None):
+    """A ShardedObject (``torch.save``'d list of objects, e.g. the common state) stored under ``key``.
+
+    ``opened(relative_path)``: an open binary file of the directory (the caller's cache), else the file is opened."""
+    import io
+
+    import torch
+
+    info = next((i for idx, i in metadata.storage_data.items() if idx.fqn == key and idx.offset is None), None)
+    if info is None:
+        raise CheckpointFormatError(f"{directory}: the checkpoint has no object {key}")
+    if getattr(info, "transform_descriptors", None):
+        raise CheckpointFormatError(f"{directory}: {key} is stored with transforms {info.transform_descriptors} "
+                                    "(compressed checkpoints are not supported)")
+    path = os.path.join(directory, info.relative_path)
+    if opened is None and not os.path.isfile(path):
+        raise CheckpointFormatError(f"{directory}: data file {info.relative_path} named by {DCP_METADATA} is missing")
+    f = opened(info.relative_path) if opened is not None else open(path, "rb")
+    try:
+        f.seek(info.offset)
+        data = b""
+        while len(data) < info.length:
+            more = f.read(info.length - len(data))
+            if not more:
+                break
+            data += more
+    finally:
+        if opened is None:
+            f.close()
+    if len(data) != info.length:
+        raise CheckpointFormatError(f"{path}: {key} needs bytes {info.offset}..{info.offset + info.length}, the file "
+                                    "ends before (truncated)")
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a damaged record
+        raise CheckpointFormatError(f"{path}: cannot read {key} ({type(e).__name__}: {e})") from None
+
+
+def has_mtp_tensors(metadata) -> bool:
+    """Whether a torch_dist index holds MTP weights (megatron-core's ``mtp.layers.*`` keys)."""
+    return any(k.startswith("mtp.") and "optimizer" not in k for k in metadata.state_dict_metadata)
+
+
+def read_record(directory: str, metadata=None, opened=None) -> ModelRecord:
+    """The ModelRecord of a checkpoint directory (an ``iter_XXXXXXX`` or converted directory; a --save root is
+    read at its latest pointer), with ``mtp`` filled in from the stored tensors when the writer did not record
+    it. E.g. the trainer's ``--mtp`` default: ``read_record(path).mtp``. Not verified against the manifest."""
+    pointer = read_latest(directory)
+    if pointer is not None:
+        directory = pointed_dir(directory, pointer)
+    if metadata is None:
+        metadata = load_dcp_metadata(directory)
+    legacy = os.path.join(directory, LEGACY_COMMON_FILE)
+    if os.path.isfile(legacy):
+        import torch
+
+        try:
+            common = torch.load(legacy, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a damaged file
+            raise CheckpointFormatError(f"{legacy}: cannot read the common state ({type(e).__name__}: {e})") from None
+    elif any(idx.fqn == COMMON_KEY for idx in metadata.storage_data):
+        common = read_dcp_object(directory, metadata, COMMON_KEY, opened)
+        common = common[0] if isinstance(common, list) and common else common
+    else:
+        raise CheckpointFormatError(f"{directory}: no common state in the checkpoint (not written by megatron-core?)")
+    record = ModelRecord.from_common(common)
+    if record is None:
+        raise CheckpointFormatError(f"{directory}: not a megatron-glm5 checkpoint (no 'glm5' model description in "
+                                    "its common state)")
+    if record.mtp is None:
+        record = dataclasses.replace(record, mtp=has_mtp_tensors(metadata))
+    return record
