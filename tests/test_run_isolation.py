@@ -65,6 +65,9 @@ def test_readme_command_examples_and_again_keep_every_run(clone):
     assert sft.returncode == 0, sft.stderr[-3000:]
     pre = _script("tiny_cpu_pretrain.sh", clone, *SHORT)
     assert pre.returncode == 0, pre.stderr[-3000:]
+    lay = _script("tiny_cpu_layouts.sh", clone, "--train-iters", "2", "--lr-warmup-iters", "0", "--eval-iters", "0",
+                  "--save-interval", "2")
+    assert lay.returncode == 0, lay.stderr[-3000:]
     again = check_ok(run_entry("finetune", SHORT, clone))
 
     runs = _runs(ft_root)
@@ -75,6 +78,29 @@ def test_readme_command_examples_and_again_keep_every_run(clone):
         assert latest_iteration(run) == 4 and (run / "iter_0000004").is_dir(), describe(again)
         assert list((run / "tensorboard").glob("events.out.tfevents.*"))
         assert sorted(series(read_metrics(run / "tensorboard"), "lm-loss")) == [2, 4]  # one run per directory
+    (layouts,) = [p for p in (clone / "runs" / "layouts").iterdir()]
+    assert sorted(p.name for p in layouts.iterdir()) == ["ep2", "pp2", "tp2"]
+    for run in layouts.iterdir():
+        assert latest_iteration(run) == 2 and list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_summary_nothing_left_to_train_and_eval_only(tmp_path):
+    """The end of a run says what happened and what to run next; a resume with nothing left to train says so;
+    --eval-only evaluates a checkpoint and writes nothing."""
+    save = tmp_path / "r"
+    done = check_ok(run_entry("finetune", SHORT + ["--save", save], tmp_path))
+    out = done.stdout + done.stderr
+    assert "run summary: 4 iterations (0 -> 4)" in out and f"checkpoint:  {save}/iter_0000004" in out
+    assert f"--load {save} --save {save}" in out and "tools/convert_megatron_to_hf.py --load" in out
+    kept = _fingerprint(save)
+    again = check_ok(run_entry("finetune", SHORT + ["--load", save], tmp_path))
+    assert "nothing to train: the checkpoint is at iteration 4 and --train-iters is 4" in again.stdout + again.stderr
+    ev = check_ok(run_entry("finetune", ["--eval-only", "--load", save, "--eval-iters", "2"], tmp_path))
+    line = [l for l in (ev.stdout + ev.stderr).splitlines() if "evaluation of" in l]
+    assert line and "(iteration 4): lm loss " in line[0] and "ppl " in line[0], ev.stdout[-2000:]
+    assert {k: v for k, v in _fingerprint(save).items() if "tensorboard" not in k} == \
+        {k: v for k, v in kept.items() if "tensorboard" not in k}  # no checkpoint written by either
+    assert_user_error(run_entry("finetune", ["--eval-only"], tmp_path), "--eval-only needs --load")
 
 
 def test_fresh_run_into_a_used_save_is_refused_then_overwrite_and_resume(tmp_path):
