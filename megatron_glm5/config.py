@@ -105,7 +105,8 @@ _RANGE_CHECKS: Dict[str, Callable[[Any], bool]] = {  # check name (the error's w
 
 def _field(default: Any, *, check: Optional[str] = None, hf: Optional[str] = "same",
            hf_aliases: Tuple[str, ...] = (), hf_omit_none: bool = False, mcore: Optional[str] = None,
-           mcore_type: Optional[type] = None, arch: bool = False, doc: str = "", **kw: Any):
+           mcore_type: Optional[type] = None, arch: bool = False, required: Union[bool, str] = False, doc: str = "",
+           **kw: Any):
     """A GLM5Config field with its metadata (a field declared without it is a plain config.json key, no check).
 
     ``check``: a key of _RANGE_CHECKS (an integer size > 0 is "positive integer").  ``hf``: "same" (stored under
@@ -115,17 +116,20 @@ def _field(default: Any, *, check: Optional[str] = None, hf: Optional[str] = "sa
     ``arch``: the field shapes the weights, so a checkpoint and the model it is loaded into must agree on it
     (ARCH_FIELDS).  ``mcore``: the GLM5TransformerConfig field (one megatron-core's MLATransformerConfig lacks)
     that carries the value, converted by ``mcore_type``, documented by ``doc``; the fields megatron-core has are
-    mapped in :meth:`GLM5Config.to_transformer_config`.
+    mapped in :meth:`GLM5Config.to_transformer_config`.  ``required``: a config.json (:meth:`GLM5Config.from_hf`)
+    must state the field (under its name or an alias; a string names another key that stands in for it): its
+    transformers default is GLM-5's own size or hyper-parameter, not a value that fits another checkpoint
+    (REQUIRED_HF_FIELDS; presets and direct construction are not affected).
     """
     if check is not None and check not in _RANGE_CHECKS:
         raise ValueError(f"unknown check {check!r}")
     meta = dict(check=check, hf=hf, hf_aliases=hf_aliases, hf_omit_none=hf_omit_none, mcore=mcore,
-                mcore_type=mcore_type, arch=arch, doc=doc)
+                mcore_type=mcore_type, arch=arch, required=required, doc=doc)
     return field(default=default, metadata=meta, **kw)
 
 
 def _meta(f: dataclasses.Field, key: str) -> Any:
-    return f.metadata.get(key, {"hf": "same", "hf_aliases": ()}.get(key))
+    return f.metadata.get(key, {"hf": "same", "hf_aliases": (), "required": False}.get(key))
 
 
 def _is_int(v: Any) -> bool:
@@ -235,11 +239,41 @@ def _check_identity(d: Mapping[str, Any], src: str) -> None:
             )
 
 
+def _hf_keys_of(f: dataclasses.Field) -> Tuple[str, ...]:
+    """The config.json keys that state field ``f`` (its name, its aliases, the key standing in for it)."""
+    if f.name == "rope_theta":
+        return ("rope_parameters.rope_theta", "rope_theta")
+    stand_in = _meta(f, "required")
+    return (f.name, *_meta(f, "hf_aliases"), *((stand_in,) if isinstance(stand_in, str) else ()))
+
+
+def _hf_states(d: Mapping[str, Any], key: str) -> bool:
+    if key == "rope_parameters.rope_theta":
+        rp = d.get("rope_parameters")
+        return isinstance(rp, Mapping) and rp.get("rope_theta") is not None
+    return key in d
+
+
+def _check_required(d: Mapping[str, Any], src: str) -> None:
+    """Every REQUIRED_HF_FIELDS field is stated: absent, transformers would give it GLM-5's full-size value."""
+    missing = [f.name for f in _FIELDS if f.name in REQUIRED_HF_FIELDS
+               and not any(_hf_states(d, k) for k in _hf_keys_of(f))]
+    if missing:
+        many = len(missing) > 1
+        raise ConfigError(
+            f"{src}: missing required field{'s' if many else ''} {', '.join(missing)} (not assumed to be GLM-5's "
+            f"{', '.join(str(_DEFAULTS[m]) for m in missing)}); add {'them' if many else 'it'} (a config.json saved "
+            "by transformers has them all) or use --preset",
+            field=missing[0],
+        )
+
+
 def _fields_from_hf_dict(d: Mapping[str, Any], src: str) -> Dict[str, Any]:
     """Map a config.json dict to GLM5Config constructor arguments (without validation of values)."""
     if not isinstance(d, Mapping):
         raise ConfigError(f"{src}: a config must be a JSON object, got {type(d).__name__}")
     _check_identity(d, src)
+    _check_required(d, src)
     out: Dict[str, Any] = {}
     for key in _SIMPLE_KEYS:
         out[key] = copy.deepcopy(d.get(key, _HF_DEFAULTS[key]))
@@ -315,49 +349,51 @@ class GLM5Config:
     """
 
     # arch=True: the field shapes the weights (a checkpoint must agree on it); mcore=: see _field
-    vocab_size: int = _field(154880, check="positive integer", arch=True, mcore="vocab_size",
+    vocab_size: int = _field(154880, check="positive integer", arch=True, required=True, mcore="vocab_size",
                              doc="Vocabulary size (unpadded).")
-    hidden_size: int = _field(6144, check="positive integer", arch=True)
-    intermediate_size: int = _field(12288, check="positive integer", arch=True)
-    moe_intermediate_size: int = _field(2048, check="positive integer", arch=True)
-    num_hidden_layers: int = _field(78, check="positive integer", arch=True)
-    num_attention_heads: int = _field(64, check="positive integer", arch=True)
-    num_key_value_heads: int = _field(64, check="positive integer")
-    n_shared_experts: int = _field(1, check="non-negative integer", arch=True)
+    hidden_size: int = _field(6144, check="positive integer", arch=True, required=True)
+    intermediate_size: int = _field(12288, check="positive integer", arch=True, required=True)
+    moe_intermediate_size: int = _field(2048, check="positive integer", arch=True, required=True)
+    num_hidden_layers: int = _field(78, check="positive integer", arch=True, required=True)
+    num_attention_heads: int = _field(64, check="positive integer", arch=True, required=True)
+    num_key_value_heads: int = _field(64, check="positive integer", required=True)
+    n_shared_experts: int = _field(1, check="non-negative integer", arch=True, required=True)
     # num_experts wins over num_local_experts, as in GlmMoeDsaConfig.__post_init__
-    n_routed_experts: int = _field(256, check="positive integer", arch=True,
+    n_routed_experts: int = _field(256, check="positive integer", arch=True, required=True,
                                    hf_aliases=("num_local_experts", "num_experts"))
-    routed_scaling_factor: float = _field(2.5, check="positive number")
-    kv_lora_rank: int = _field(512, check="positive integer", arch=True)
-    q_lora_rank: int = _field(2048, check="positive integer", arch=True)
-    qk_rope_head_dim: int = _field(64, check="positive integer", arch=True)
-    v_head_dim: int = _field(256, check="positive integer", arch=True)
-    qk_nope_head_dim: int = _field(192, check="positive integer", arch=True)
+    routed_scaling_factor: float = _field(2.5, check="positive number", required=True)
+    kv_lora_rank: int = _field(512, check="positive integer", arch=True, required=True)
+    q_lora_rank: int = _field(2048, check="positive integer", arch=True, required=True)
+    qk_rope_head_dim: int = _field(64, check="positive integer", arch=True, required=True)
+    v_head_dim: int = _field(256, check="positive integer", arch=True, required=True)
+    qk_nope_head_dim: int = _field(192, check="positive integer", arch=True, required=True)
     n_group: int = _field(1, check="positive integer")
     topk_group: int = _field(1, check="positive integer")
-    num_experts_per_tok: int = _field(8, check="positive integer")
-    norm_topk_prob: bool = True
+    num_experts_per_tok: int = _field(8, check="positive integer", required=True)
+    norm_topk_prob: bool = _field(True, required=True)
     hidden_act: str = "silu"
-    max_position_embeddings: int = _field(202752, check="positive integer")
+    max_position_embeddings: int = _field(202752, check="positive integer", required=True)
     initializer_range: float = _field(0.02, check="non-negative number")
-    rms_norm_eps: float = _field(1e-5, check="positive number")
+    rms_norm_eps: float = _field(1e-5, check="positive number", required=True)
     pad_token_id: Optional[int] = _field(None, mcore="pad_token_id",
                                          doc="Embedding padding index (None: no padding_idx).")
     bos_token_id: Optional[int] = 0
     eos_token_id: Union[int, List[int], None] = 1
     tie_word_embeddings: bool = False
     # config.json: rope_parameters.rope_theta (or a top-level rope_theta)
-    rope_theta: float = _field(10000.0, check="positive number", hf="special")
+    rope_theta: float = _field(10000.0, check="positive number", hf="special", required=True)
     attention_bias: bool = False
     attention_dropout: float = _field(0.0, check="non-negative number")
     # a top-k of 0 selects nothing
-    index_topk: int = _field(2048, check="positive integer", mcore="dsa_index_topk",
+    index_topk: int = _field(2048, check="positive integer", required=True, mcore="dsa_index_topk",
                              doc="Keys kept per query by the sparse attention.")
-    index_head_dim: int = _field(128, check="positive integer", arch=True, mcore="dsa_index_head_dim",
+    index_head_dim: int = _field(128, check="positive integer", arch=True, required=True,
+                                 mcore="dsa_index_head_dim",
                                  doc="Lightning-indexer head dim (RoPE on its first qk_pos_emb_head_dim dims).")
-    index_n_heads: int = _field(32, check="positive integer", arch=True, mcore="dsa_index_n_heads",
+    index_n_heads: int = _field(32, check="positive integer", arch=True, required=True, mcore="dsa_index_n_heads",
                                 doc="Lightning-indexer heads.")
-    first_k_dense_replace: int = _field(3, check="non-negative integer")
+    # an explicit mlp_layer_types list stands in for it
+    first_k_dense_replace: int = _field(3, check="non-negative integer", required="mlp_layer_types")
     # config.json: an explicit list, else derived from first_k_dense_replace
     mlp_layer_types: Optional[List[str]] = _field(None, hf="special", arch=True)
     # config.json: an explicit list, else index_topk_pattern, else index_topk_freq / index_skip_topk_offset
@@ -461,6 +497,18 @@ class GLM5Config:
             )
         if self.hidden_act != "silu":
             raise ConfigError(f"hidden_act must be 'silu', got {self.hidden_act!r}", field="hidden_act")
+        if self.first_k_dense_replace > n:
+            raise ConfigError(
+                f"first_k_dense_replace ({self.first_k_dense_replace}) exceeds num_hidden_layers ({n}): the model "
+                "has no MoE layer left (set it to at most the layer count)",
+                field="first_k_dense_replace",
+            )
+        if self.index_topk > self.max_position_embeddings:
+            raise ConfigError(
+                f"index_topk ({self.index_topk}) exceeds max_position_embeddings ({self.max_position_embeddings}): "
+                "the sparse attention would keep more keys than a sequence can hold",
+                field="index_topk",
+            )
 
     @classmethod
     def from_hf(cls, src: Union[str, os.PathLike, Mapping[str, Any], Any]) -> "GLM5Config":
@@ -843,6 +891,8 @@ _HF_OMIT_NONE = frozenset(f.name for f in _FIELDS if _meta(f, "hf_omit_none"))
 _CHECKED: Dict[str, Tuple[str, ...]] = {
     check: tuple(f.name for f in _FIELDS if _meta(f, "check") == check) for check in _RANGE_CHECKS
 }
+# The fields a config.json must state (GLM5Config.from_hf; docs/design.md "Config fields" says why each).
+REQUIRED_HF_FIELDS: Tuple[str, ...] = tuple(f.name for f in _FIELDS if _meta(f, "required"))
 # The fields that shape the weights: a checkpoint must agree with the model on them (training/checkpointing.py).
 ARCH_FIELDS: Tuple[str, ...] = tuple(f.name for f in _FIELDS if _meta(f, "arch"))
 # GLM5Config field -> (GLM5TransformerConfig field, converter or None)

@@ -6,6 +6,7 @@ Expected numbers come from /work/shared/GLM5_REFERENCE.md (not from the code und
 import copy
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,10 @@ ENCODINGS = {
 }
 
 
+# keys of _small_hf a config.json may leave out (everything else in it is required)
+OPTIONAL_IN_SMALL_HF = ("architectures", "model_type")
+
+
 def _small_hf(**extra):
     d = {
         "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
@@ -190,6 +195,8 @@ def _small_hf(**extra):
         "num_experts_per_tok": 2, "q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
         "qk_rope_head_dim": 4, "v_head_dim": 8, "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4,
         "first_k_dense_replace": 1, "rope_parameters": {"rope_theta": 5000.0, "rope_type": "default"},
+        "n_shared_experts": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
     }
     d.update(extra)
     return d
@@ -217,10 +224,12 @@ def test_legacy_rope_theta_and_missing_keys():
     del d["rope_parameters"]
     c = GLM5Config.from_hf(d)
     assert c.rope_theta == 12345.0 and c.to_hf() == d
-    # Keys missing from the json take transformers' defaults.
-    c_empty = GLM5Config.from_hf({})
-    assert_agrees_with_transformers(c_empty, GlmMoeDsaConfig())
-    assert c_empty.to_hf() == {}
+    # Optional keys missing from the json take transformers' defaults.
+    lean = {k: v for k, v in _small_hf().items() if k not in OPTIONAL_IN_SMALL_HF}
+    c_lean = GLM5Config.from_hf(lean)
+    assert_agrees_with_transformers(c_lean, GlmMoeDsaConfig(**copy.deepcopy(lean)))
+    assert c_lean.to_hf() == lean
+    assert (c_lean.n_group, c_lean.bos_token_id, c_lean.pad_token_id, c_lean.indexer_types) == (1, 0, None, ["full"] * 6)
 
 
 def test_head_dim_key_is_ignored():
@@ -546,7 +555,10 @@ def test_field_declarations_are_the_one_table():
     import megatron_glm5.config as mc
 
     fields = {f.name: f for f in dataclasses.fields(GLM5Config)}
-    assert GLM5Config.from_hf({}) == GLM5Config()  # a missing config.json key means the field's default
+    # a missing optional config.json key means the field's default
+    required_only = {name: fields[name].default for name in mc.REQUIRED_HF_FIELDS if name != "rope_theta"}
+    required_only["rope_parameters"] = {"rope_theta": fields["rope_theta"].default}
+    assert GLM5Config.from_hf(required_only) == GLM5Config()
     assert set(mc._HF_DEFAULTS) == set(fields) - {"rope_theta", "mlp_layer_types", "indexer_types", "raw"}
     assert all(mc._HF_DEFAULTS[k] == fields[k].default for k in mc._HF_DEFAULTS)
     for name in ("hidden_size", "index_topk"):
@@ -577,3 +589,62 @@ def test_dsa_stages_defined_once():
     from megatron_glm5.model import dsa
 
     assert mc.DSA_STAGES == ("dense-warmup", "sparse") and dsa.DSA_STAGES is mc.DSA_STAGES
+
+
+# ------------------------------------------------------------------------------------------------ required fields
+
+# The decision (docs/design.md "Config fields"): every size, and every hyper-parameter whose transformers default
+# is GLM-5's own value, must be stated by a config.json; written here, not read from the code under test.
+REQUIRED = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts",
+            "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "v_head_dim",
+            "qk_nope_head_dim", "num_experts_per_tok", "norm_topk_prob", "max_position_embeddings", "rms_norm_eps",
+            "rope_theta", "index_topk", "index_head_dim", "index_n_heads", "first_k_dense_replace"]
+
+
+def test_required_fields_are_the_documented_ones(ref53):
+    import megatron_glm5.config as mc
+
+    assert list(mc.REQUIRED_HF_FIELDS) == REQUIRED
+    # every one is in the real GLM-5.3 config.json (its rope_theta under rope_parameters)
+    assert all(k in ref53 for k in REQUIRED if k != "rope_theta") and "rope_theta" in ref53["rope_parameters"]
+    design = (REPO / "docs" / "design.md").read_text()
+    assert all(f"`{k}`" in design for k in REQUIRED)
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_missing_required_field_is_refused(name, tmp_path):
+    d = _small_hf()
+    d.pop("rope_parameters" if name == "rope_theta" else name)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(d))
+    with pytest.raises(ConfigError) as ei:
+        GLM5Config.from_hf(p)
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}: missing required field {name} (not assumed to be GLM-5's ") and "\n" not in msg
+    assert ei.value.field == name
+
+
+def test_missing_fields_named_together_and_stand_ins():
+    d = _small_hf()
+    for k in ("hidden_size", "n_routed_experts", "index_topk"):
+        d.pop(k)
+    with pytest.raises(ConfigError, match=r"missing required fields hidden_size, n_routed_experts, index_topk "
+                                          r"\(not assumed to be GLM-5's 6144, 256, 2048\); add them"):
+        GLM5Config.from_hf(d)
+    # an alias, a top-level rope_theta and an explicit mlp_layer_types list state their fields
+    d = _small_hf(num_local_experts=4, rope_theta=7.0, mlp_layer_types=["dense"] + ["sparse"] * 5)
+    for k in ("n_routed_experts", "rope_parameters", "first_k_dense_replace"):
+        d.pop(k)
+    c = GLM5Config.from_hf(d)
+    assert (c.n_routed_experts, c.rope_theta, c.num_dense_layers) == (4, 7.0, 1)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"index_topk": 300}, "index_topk (300) exceeds max_position_embeddings (256)"),
+    ({"first_k_dense_replace": 7}, "first_k_dense_replace (7) exceeds num_hidden_layers (6)"),
+])
+def test_inconsistent_sizes_are_refused(change, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        GLM5Config.from_hf(_small_hf(**change))
+    GLM5Config.from_hf(_small_hf(index_topk=256, first_k_dense_replace=6))  # equal is fine
