@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Optional, Union
 
-from megatron_glm5.data.jsonl import SKIPPED_SAMPLES, DataError, check_jsonl_path
+from megatron_glm5.data.jsonl import MAX_SAMPLE_BYTES, SKIPPED_SAMPLES, DataError, check_jsonl_path
 from megatron_glm5.data.preprocess import PreprocessResult, prefix_is_complete, preprocess_jsonl
 from megatron_glm5.data.tokenizer import TokenizerLike, load_tokenizer
 
@@ -22,10 +22,11 @@ def default_index_cache_dir() -> str:
 
 def ensure_indexed(path_or_prefix: Union[str, os.PathLike], tokenizer: TokenizerLike = None,
                    cache_dir: Optional[str] = None, json_key: str = "text", workers: int = 1,
-                   skip_bad: bool = False) -> str:
+                   skip_bad: bool = False, max_sample_bytes: int = MAX_SAMPLE_BYTES) -> str:
     """A Megatron prefix for ``path_or_prefix``: a prefix is returned as is; a ``.jsonl`` file is preprocessed once
     (documents end with eod) into ``cache_dir`` (default :func:`default_index_cache_dir`) under a name keyed by the
-    file's path, size, mtime, the tokenizer, ``json_key`` and ``skip_bad``, and later calls reuse it (the bad
+    file's path, size, mtime, the tokenizer, ``json_key``, ``skip_bad`` and ``max_sample_bytes`` (lines longer are
+    bad lines), and later calls reuse it (the bad
     lines skipped when it was built are kept beside it, in ``PREFIX.skipped.json``, and reported again).
 
     In a torch.distributed process group, rank 0 builds first and the other ranks wait (call it on every rank);
@@ -43,7 +44,9 @@ def ensure_indexed(path_or_prefix: Union[str, os.PathLike], tokenizer: Tokenizer
     st = os.stat(path)
     ident = tok.megatron_tokenizer().unique_identifiers
     key = [os.path.abspath(path), st.st_size, int(st.st_mtime), dict(ident), json_key]
-    key = _json.dumps(key + (["skip_bad"] if skip_bad else []), sort_keys=True)
+    key += ["skip_bad"] if skip_bad else []
+    key += [f"max_sample_bytes={max_sample_bytes}"] if max_sample_bytes != MAX_SAMPLE_BYTES else []
+    key = _json.dumps(key, sort_keys=True)
     digest = hashlib.md5(key.encode("utf-8"), usedforsecurity=False).hexdigest()[:12]
     stem = os.path.splitext(os.path.basename(path))[0]
     prefix = os.path.join(cache_dir or default_index_cache_dir(), f"{stem}-{digest}")
@@ -56,7 +59,7 @@ def ensure_indexed(path_or_prefix: Union[str, os.PathLike], tokenizer: Tokenizer
     if rank == 0:
         try:
             result = preprocess_jsonl(path, prefix, tok, json_key=json_key, workers=workers, append_eod=True,
-                                      skip_bad=skip_bad, progress=False)
+                                      skip_bad=skip_bad, progress=False, max_sample_bytes=max_sample_bytes)
             _remember_skipped(path, prefix + ".skipped.json", result)
         except BaseException as e:  # noqa: BLE001 - re-raised after the barrier so other ranks do not hang
             error = e

@@ -3,10 +3,11 @@
     for line_no, record in iter_jsonl("train.jsonl", required={"text": str}):
         ...
 
-Bad lines (bytes that are not UTF-8, malformed JSON, a value that is not an object, a missing or mistyped
-required field, or a record the ``validate`` callback rejects) raise :class:`DataError`; with ``skip_bad=True``
-they are counted in a :class:`JsonlStats` (by reason, with the first few messages kept) and skipped, and a
-one-line summary is logged at the end.  Blank lines are ignored.  A missing path, a directory, a file with no
+Bad lines (longer than ``max_sample_bytes``: refused before they are decoded; bytes that are not UTF-8, malformed
+JSON, a string holding a lone UTF-16 surrogate escape such as ``"\\ud800"``, a value that is not an object, a
+missing or mistyped required field, or a record the ``validate`` callback rejects) raise :class:`DataError`; with
+``skip_bad=True`` they are counted in a :class:`JsonlStats` (by reason, with the first few messages kept) and
+skipped, and a one-line summary is logged at the end.  Blank lines are ignored.  A missing path, a directory, a file with no
 records, or (with ``skip_bad``) a file whose every line is bad raise :class:`DataError` naming the file.
 Skipped lines are also added to :data:`SKIPPED_SAMPLES` (per file and reason), which a training run logs at its
 end (docs/bad_input.md).
@@ -16,14 +17,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 from megatron_glm5.errors import UserError
+from megatron_glm5.sample_limits import MAX_SAMPLE_BYTES
 
 __all__ = ["DataError", "JsonlStats", "parse_jsonl_line", "iter_jsonl", "read_jsonl", "check_jsonl_path",
-           "SkippedSamples", "SKIPPED_SAMPLES"]
+           "iter_raw_lines", "too_long_error", "SkippedSamples", "SKIPPED_SAMPLES", "MAX_SAMPLE_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ class JsonlStats:
 
     path: str = ""
     lines: int = 0        # lines read, blank ones included
+    bytes: int = 0        # bytes read
     blank: int = 0
     records: int = 0      # records yielded
     skipped: int = 0      # bad lines skipped (skip_bad=True)
@@ -134,6 +138,56 @@ def _json_type_name(v: Any) -> str:
             dict: "an object"}.get(type(v), type(v).__name__)
 
 
+# a JSON escape of a UTF-16 surrogate (\ud800-\udfff): json decodes a lone one into a str that is not valid Unicode
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(obj: Any, where: str = "") -> Optional[Tuple[str, int, str]]:
+    """(field path, character index, the surrogate) of the first string in ``obj`` (keys included) holding a lone
+    surrogate, or None."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return where, e.start, obj[e.start]
+        return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        inner = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+        found = _lone_surrogate(key, inner) if isinstance(key, str) else None
+        found = found or _lone_surrogate(value, inner)
+        if found:
+            return found
+    return None
+
+
+def too_long_error(path: str, line_no: int, size: int, max_bytes: int) -> "DataError":
+    """The error of a line longer than ``max_bytes`` (refused unread)."""
+    return DataError(f"{path}:{line_no}: line of {size} bytes is longer than --max-sample-bytes {max_bytes} "
+                     f"({max_bytes / 2**20:.3g} MiB); split the document, or raise the limit", "too_long")
+
+
+def iter_raw_lines(f, max_bytes: int = MAX_SAMPLE_BYTES) -> Iterator[Tuple[int, Union[bytes, int]]]:
+    """``(line_no, raw line)`` for each line of a binary file; a line longer than ``max_bytes`` (its terminator not
+    counted) comes as ``(line_no, its size in bytes)`` instead, read past in bounded chunks, never held whole."""
+    line_no = 0
+    while True:
+        raw = f.readline(max_bytes + 1)
+        if not raw:
+            return
+        line_no += 1
+        if len(raw) <= max_bytes or raw.endswith(b"\n") and len(raw) == max_bytes + 1:
+            yield line_no, raw
+            continue
+        size = len(raw)
+        while not raw.endswith(b"\n"):
+            raw = f.readline(1 << 20)
+            if not raw:
+                break
+            size += len(raw)
+        yield line_no, size - raw.endswith(b"\n")
+
+
 def parse_jsonl_line(raw: Union[bytes, str], path: str, line_no: int, required: Required = None,
                      validate: Validator = None) -> Dict[str, Any]:
     """Decode one line into a dict, or raise :class:`DataError` ``path:line_no: ...`` with a ``reason``."""
@@ -157,6 +211,13 @@ def parse_jsonl_line(raw: Union[bytes, str], path: str, line_no: int, required: 
         raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno}): {snippet}", "malformed_json") from None
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object per line, got {_json_type_name(obj)}", "not_an_object")
+    if _SURROGATE_ESCAPE.search(text):
+        found = _lone_surrogate(obj)
+        if found:
+            field_path, index, char = found
+            raise DataError(f"{where}: field {field_path!r} holds a lone UTF-16 surrogate {char!r} (character "
+                            f"{index + 1}), which is not valid Unicode; fix the \\u escape (a surrogate needs its "
+                            "pair)", "lone_surrogate")
     if required:
         items = required.items() if isinstance(required, Mapping) else ((k, None) for k in required)
         for key, typ in items:
@@ -189,23 +250,29 @@ def check_jsonl_path(path: Union[str, os.PathLike]) -> str:
 
 
 def iter_jsonl(path: Union[str, os.PathLike], required: Required = None, skip_bad: bool = False,
-               stats: Optional[JsonlStats] = None, validate: Validator = None) -> Iterator[Tuple[int, Dict[str, Any]]]:
+               stats: Optional[JsonlStats] = None, validate: Validator = None,
+               max_sample_bytes: int = MAX_SAMPLE_BYTES) -> Iterator[Tuple[int, Dict[str, Any]]]:
     """Yield ``(line_no, record)`` (1-based line numbers) for each valid line of a jsonl file.
 
     ``required``: field names, or ``{name: type or (types,)}``.  ``validate``: called with each record; raise
     ``ValueError("what is wrong")`` to reject it.  ``skip_bad``: count and skip bad lines in ``stats`` instead of
-    raising.  Pass a :class:`JsonlStats` to read the counts afterwards.
+    raising.  ``max_sample_bytes``: a longer line is a bad line (reason ``too_long``), never decoded.  Pass a
+    :class:`JsonlStats` to read the counts afterwards.
     """
     path = check_jsonl_path(path)
     stats = stats if stats is not None else JsonlStats()
     stats.path = path
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+        for line_no, raw in iter_raw_lines(f, max_sample_bytes):
             stats.lines += 1
-            if not raw.strip():
-                stats.blank += 1
-                continue
             try:
+                if isinstance(raw, int):
+                    stats.bytes += raw
+                    raise too_long_error(path, line_no, raw, max_sample_bytes)
+                stats.bytes += len(raw)
+                if not raw.strip():
+                    stats.blank += 1
+                    continue
                 obj = parse_jsonl_line(raw, path, line_no, required, validate)
             except DataError as e:
                 if not skip_bad:
@@ -226,8 +293,10 @@ def iter_jsonl(path: Union[str, os.PathLike], required: Required = None, skip_ba
 
 
 def read_jsonl(path: Union[str, os.PathLike], required: Required = None, skip_bad: bool = False,
-               validate: Validator = None) -> Tuple[List[Tuple[int, Dict[str, Any]]], JsonlStats]:
+               validate: Validator = None, max_sample_bytes: int = MAX_SAMPLE_BYTES
+               ) -> Tuple[List[Tuple[int, Dict[str, Any]]], JsonlStats]:
     """All ``(line_no, record)`` pairs of a jsonl file and the :class:`JsonlStats` (see :func:`iter_jsonl`)."""
     stats = JsonlStats()
-    records = list(iter_jsonl(path, required=required, skip_bad=skip_bad, stats=stats, validate=validate))
+    records = list(iter_jsonl(path, required=required, skip_bad=skip_bad, stats=stats, validate=validate,
+                              max_sample_bytes=max_sample_bytes))
     return records, stats

@@ -23,7 +23,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
-from megatron_glm5.data.jsonl import SKIPPED_SAMPLES, DataError, JsonlStats, check_jsonl_path, parse_jsonl_line
+from megatron_glm5.data.jsonl import (MAX_SAMPLE_BYTES, SKIPPED_SAMPLES, DataError, JsonlStats, check_jsonl_path,
+                                      iter_raw_lines, parse_jsonl_line, too_long_error)
 from megatron_glm5.data.tokenizer import TokenizerLike, load_tokenizer
 
 __all__ = ["PreprocessResult", "preprocess_jsonl", "prefix_is_complete", "token_dtype_for_vocab"]
@@ -104,6 +105,9 @@ def _encode_batch(batch: List[Tuple[int, bytes]]) -> List[Tuple[int, Optional[np
     tok, key, eod, path = _W["tok"], _W["key"], _W["eod"], _W["path"]
     out = []
     for line_no, raw in batch:
+        if isinstance(raw, tuple):  # refused unread by _read_batches: (message, reason)
+            out.append((line_no, None, raw[0], raw[1]))
+            continue
         try:
             obj = parse_jsonl_line(raw, path, line_no, required={key: str})
         except DataError as e:
@@ -136,14 +140,21 @@ class _ReadAhead:
         self._stop.set()
 
 
-def _read_batches(path: str, stats: JsonlStats, read_ahead: Optional[_ReadAhead] = None
-                  ) -> Iterator[List[Tuple[int, bytes]]]:
-    """Batches of (line_no, raw line), blank lines left out."""
-    batch: List[Tuple[int, bytes]] = []
+def _read_batches(path: str, stats: JsonlStats, read_ahead: Optional[_ReadAhead] = None,
+                  max_sample_bytes: int = MAX_SAMPLE_BYTES) -> Iterator[List[Tuple[int, Any]]]:
+    """Batches of (line_no, raw line), blank lines left out; a line over ``max_sample_bytes`` comes unread, as
+    (line_no, (its error message, reason))."""
+    batch: List[Tuple[int, Any]] = []
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+        for line_no, raw in iter_raw_lines(f, max_sample_bytes):
             stats.lines += 1
-            if not raw.strip():
+            if isinstance(raw, int):
+                stats.bytes += raw
+                err = too_long_error(path, line_no, raw, max_sample_bytes)
+                raw = (str(err), err.reason)
+            else:
+                stats.bytes += len(raw)
+            if isinstance(raw, bytes) and not raw.strip():
                 stats.blank += 1
                 continue
             batch.append((line_no, raw))
@@ -168,17 +179,45 @@ def _write_document(builder, ids: np.ndarray) -> None:
     builder.add_document(ids, [len(ids)])
 
 
+class _ProgressLines:
+    """Progress as log lines every ``interval`` seconds (when the output is not a terminal, where a bar would be
+    one unreadable line): documents written, bytes read of the file's size, documents per second."""
+
+    def __init__(self, name: str, total_bytes: int, interval: float):
+        self.name, self.total, self.interval = name, total_bytes, interval
+        self.t0 = self.last = time.time()
+
+    def update(self, documents: int, bytes_read: int, final: bool = False) -> None:
+        now = time.time()
+        if not final and now - self.last < self.interval:
+            return
+        self.last = now
+        rate = documents / max(now - self.t0, 1e-9)
+        share = f" ({100 * bytes_read / self.total:.0f}%)" if self.total else ""
+        logger.info("%s: %d documents, %s of %s read%s, %.0f docs/s", self.name, documents, _size(bytes_read),
+                    _size(self.total), share, rate)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def preprocess_jsonl(input_path: Union[str, os.PathLike], output_prefix: Union[str, os.PathLike],
                      tokenizer: TokenizerLike = None, json_key: str = "text", workers: int = 1,
                      append_eod: bool = False, skip_bad: bool = False, overwrite: bool = False,
-                     progress: Optional[bool] = None) -> PreprocessResult:
+                     progress: Optional[bool] = None, progress_interval: float = 5.0,
+                     max_sample_bytes: int = MAX_SAMPLE_BYTES) -> PreprocessResult:
     """Tokenize ``input_path`` (one document per line, text under ``json_key``) into ``output_prefix``.bin/.idx.
 
     ``tokenizer``: a :class:`GLM5Tokenizer` or anything :func:`load_tokenizer` takes (workers reload it from
     its path).  ``workers`` > 1 tokenizes in a multiprocessing pool.  ``append_eod`` ends each document with the
     eod token.  ``skip_bad`` counts and skips bad lines instead of raising :class:`DataError` ``file:line: ...``.
-    ``overwrite`` rebuilds a complete prefix (otherwise it is skipped).  ``progress``: tqdm bar (default: when
-    stderr is a terminal).
+    ``max_sample_bytes``: a longer line is a bad line, never decoded.  ``overwrite`` rebuilds a complete prefix
+    (otherwise it is skipped).  ``progress``: a tqdm bar when stderr is a terminal, else a log line every
+    ``progress_interval`` seconds (default: on; False: none; True: the bar).
     """
     t0 = time.time()
     input_path = check_jsonl_path(input_path)
@@ -199,12 +238,15 @@ def preprocess_jsonl(input_path: Union[str, os.PathLike], output_prefix: Union[s
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     stats = JsonlStats(path=input_path)
+    lines_out = None
     if progress is None:
         progress = sys.stderr.isatty()
+        if not progress:
+            lines_out = _ProgressLines(os.path.basename(prefix), os.path.getsize(input_path), progress_interval)
     from tqdm import tqdm
 
-    bar = tqdm(total=_count_lines(input_path), unit="lines", desc=os.path.basename(prefix), disable=not progress,
-               dynamic_ncols=True)
+    bar = tqdm(total=_count_lines(input_path) if progress else None, unit="lines", desc=os.path.basename(prefix),
+               disable=not progress, dynamic_ncols=True)
     pool = None
     read_ahead = None
     builder = None
@@ -213,7 +255,7 @@ def preprocess_jsonl(input_path: Union[str, os.PathLike], output_prefix: Union[s
         builder = IndexedDatasetBuilder(tmp_bin, dtype=dtype)
         init_args = (tok.name_or_path, json_key, append_eod, input_path)
         read_ahead = _ReadAhead(4 * workers) if workers > 1 else None
-        batches = _read_batches(input_path, stats, read_ahead)
+        batches = _read_batches(input_path, stats, read_ahead, max_sample_bytes)
         if workers > 1:
             method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
             pool = multiprocessing.get_context(method).Pool(workers, initializer=_worker_init, initargs=init_args)
@@ -239,6 +281,10 @@ def preprocess_jsonl(input_path: Union[str, os.PathLike], output_prefix: Union[s
                 result.documents += 1
                 result.tokens += int(len(ids))
             bar.update(max(0, batch[-1][0] - bar.n))
+            if lines_out is not None:
+                lines_out.update(result.documents, stats.bytes)
+        if lines_out is not None:
+            lines_out.update(result.documents, stats.bytes, final=True)
         result.lines, result.skipped_bad = stats.lines, stats.skipped
         if result.documents == 0:
             why = f"; skipped {stats.skipped} bad lines, first: {stats.errors[0]}" if stats.skipped else ""

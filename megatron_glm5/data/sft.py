@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from megatron_glm5.data.jsonl import SKIPPED_SAMPLES, DataError, JsonlStats, iter_jsonl
+from megatron_glm5.data.jsonl import MAX_SAMPLE_BYTES, SKIPPED_SAMPLES, DataError, JsonlStats, iter_jsonl
 from megatron_glm5.data.tokenizer import ChatTemplateError, GLM5Tokenizer, load_tokenizer
 
 __all__ = ["SFTDataset", "SFTStats", "validate_chat_record", "tokenize_chat", "ROLES"]
@@ -176,13 +176,14 @@ class SFTDataset(torch.utils.data.Dataset):
     with ``packed=True``).  ``overlong``: ``"truncate"`` cuts longer samples (counted in ``stats.truncated``;
     a sample whose cut leaves no assistant token is dropped and counted in ``stats.dropped_no_target``) or
     ``"drop"`` drops them (``stats.dropped_overlong``).  ``skip_bad``: count and skip invalid lines
-    (``stats.skipped_bad``) instead of raising :class:`DataError` ``file:line: ...``.
+    (``stats.skipped_bad``) instead of raising :class:`DataError` ``file:line: ...``; a line longer than
+    ``max_sample_bytes`` is an invalid line, never decoded.
     Each sample also remembers its ``line`` in the file (``self.lines[i]``).
     """
 
     def __init__(self, path: Union[str, os.PathLike], tokenizer: Union[GLM5Tokenizer, str, None], seq_length: int,
                  skip_bad: bool = False, overlong: str = "truncate", packed: bool = False,
-                 max_samples: Optional[int] = None):
+                 max_samples: Optional[int] = None, max_sample_bytes: int = MAX_SAMPLE_BYTES):
         if overlong not in ("truncate", "drop"):
             raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
         if seq_length < 2:
@@ -200,7 +201,7 @@ class SFTDataset(torch.utils.data.Dataset):
 
         jstats = JsonlStats()
         for line_no, record in iter_jsonl(self.path, required={"messages": list}, skip_bad=skip_bad, stats=jstats,
-                                          validate=validate_chat_record):
+                                          validate=validate_chat_record, max_sample_bytes=max_sample_bytes):
             try:
                 ids, mask = tokenize_chat(self.tokenizer, record["messages"], record.get("tools"))
             except ChatTemplateError as e:
