@@ -44,6 +44,7 @@ import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_glm5.config import DSA_STAGES, PRESETS  # stdlib-only module: cheap to import
+from megatron_glm5.sample_limits import MAX_SAMPLE_BYTES  # stdlib-only module
 from megatron_glm5.errors import UserError
 
 __all__ = [
@@ -358,6 +359,9 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
                    help="skip (and count) malformed samples instead of stopping")
     g.add_argument("--overlong", choices=("truncate", "drop"), default="truncate",
                    help="what to do with samples longer than --seq-length")
+    g.add_argument("--max-sample-bytes", type=_pos_int, default=MAX_SAMPLE_BYTES, metavar="N",
+                   help="a jsonl line longer than N bytes is refused before it is decoded (an error naming "
+                        "file:line; skipped and counted with --skip-bad-samples) (default: 8388608, 8 MiB)")
     g.add_argument("--num-workers", type=_nonneg_int, default=2, metavar="N", help="data-loader workers")
 
     g = p.add_argument_group("checkpoints")
@@ -446,17 +450,17 @@ def _find_action(parser: argparse.ArgumentParser, key: str) -> Tuple[Optional[ar
     return None, ""
 
 
-def _yaml_key_lines(text: str) -> Dict[Any, int]:
-    """1-based line of each top-level key (best effort)."""
+def _yaml_key_lines(text: str) -> List[Tuple[Any, int]]:
+    """(key, 1-based line) of each top-level key in file order, a repeated key once per occurrence (best effort)."""
     import yaml
 
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError:
-        return {}
+        return []
     if not isinstance(node, yaml.MappingNode):
-        return {}
-    return {k.value: k.start_mark.line + 1 for k, _ in node.value if isinstance(k, yaml.ScalarNode)}
+        return []
+    return [(k.value, k.start_mark.line + 1) for k, _ in node.value if isinstance(k, yaml.ScalarNode)]
 
 
 def _convert_yaml_value(action: argparse.Action, option: str, value: Any) -> Any:
@@ -529,7 +533,13 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
         raise ArgumentError(
             f"--config {path}: expected a mapping of flag: value, got a {type(data).__name__}", flag="--config"
         )
-    lines = _yaml_key_lines(text)
+    key_lines = _yaml_key_lines(text)
+    lines: Dict[Any, int] = {}
+    for key, line in key_lines:  # YAML keeps the last of a repeated key: refuse it instead of guessing
+        if key in lines:
+            raise ArgumentError(f"--config {path}:{line}: key {key!r} is given twice (lines {lines[key]} and "
+                                f"{line}); keep one", flag="--config")
+        lines[key] = line
     known = sorted({o.lstrip("-") for o in parser._option_string_actions if o.startswith("--")} - {"help"})  # noqa: SLF001
     out: Dict[str, Any] = {}
     source: Dict[str, str] = {}
@@ -545,8 +555,10 @@ def load_yaml_config(path: str, parser: argparse.ArgumentParser) -> Dict[str, An
         if action.dest == "config":
             raise ArgumentError(f"{where}: 'config' cannot be nested in a config file", flag="--config")
         if action.dest in source:
+            first = source[action.dest]
+            at = f" (line {lines[first]})" if first in lines else ""
             raise ArgumentError(
-                f"{where}: key {key!r} sets the same flag as {source[action.dest]!r}", flag="--config"
+                f"{where}: key {key!r} sets the same flag as {first!r}{at}; keep one", flag="--config"
             )
         try:
             out[action.dest] = _convert_yaml_value(action, option, value)
@@ -594,9 +606,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, mode: str = "finetune") -> 
     parser = build_parser(mode)
     argv = list(sys.argv[1:] if argv is None else argv)
     config = _config_path(argv)
-    if config:
-        parser.set_defaults(**load_yaml_config(config, parser))
+    from_config = load_yaml_config(config, parser) if config else {}
+    parser.set_defaults(**from_config)
     args = parser.parse_args(argv)
+    # the dests given on the command line or in --config (where a checkpoint's value may win over a default only)
+    given = build_parser(mode)
+    for action in given._actions:  # noqa: SLF001 - a parser that records only what the command line sets
+        action.default = argparse.SUPPRESS
+    args.explicit_flags = tuple(sorted(set(vars(given.parse_known_args(argv)[0])) | set(from_config)))
     args.mode = mode
     if mode == "pretrain":
         args.packing = True  # pretraining always concatenates documents into --seq-length rows
@@ -645,6 +662,10 @@ def _resolve_world_size(world_size: Optional[int]) -> int:
 def _load_model_config(args: argparse.Namespace):
     from megatron_glm5.config import ConfigError, GLM5Config
 
+    if args.load and not args.hf_config and "preset" not in getattr(args, "explicit_flags", ("preset",)):
+        cfg = _checkpoint_model_config(args.load)  # --load DIR alone: the model the checkpoint is of
+        if cfg is not None:
+            return cfg
     if args.hf_config:
         try:
             return GLM5Config.from_hf(args.hf_config)
@@ -656,6 +677,41 @@ def _load_model_config(args: argparse.Namespace):
         return GLM5Config.from_preset(args.preset)
     except ConfigError as e:
         raise ArgumentError(f"--preset: {e}", flag="--preset") from None
+
+
+def _checkpoint_model_config(load: str):
+    """The GLM5Config recorded in a checkpoint (its "glm5" record; a converted checkpoint's config.json when the
+    record cannot be read): one checkpoint directory, or a --save root at its latest pointer, else the newest
+    checkpoint whose record reads. None when none reads (not a checkpoint, or damaged: loading it says what is
+    wrong, naming the files)."""
+    from megatron_glm5.checkpoint.format import (DCP_METADATA, CheckpointFormatError, complete_dirs, iteration_dir,
+                                                 read_latest, read_record)
+    from megatron_glm5.config import ConfigError, GLM5Config
+
+    if not os.path.isdir(load):
+        return None
+    candidates = [load]
+    if not os.path.isfile(os.path.join(load, DCP_METADATA)):
+        try:
+            pointer = read_latest(load)
+        except CheckpointFormatError:
+            pointer = None
+        candidates = [iteration_dir(load, pointer)] if pointer is not None else []
+        candidates += [p for _, p in complete_dirs(load) if p not in candidates]
+    for path in candidates:
+        try:
+            source = read_record(path).model_config
+        except CheckpointFormatError:
+            source = os.path.join(path, "config.json")
+            if not os.path.isfile(source):
+                continue
+        try:
+            cfg = GLM5Config.from_hf(source)
+        except (ConfigError, OSError) as e:
+            raise ArgumentError(f"--load {load}: the checkpoint's model config: {e}", flag="--load") from None
+        logger.info("model: the one checkpoint %s holds (--preset/--hf-config not given)", load)
+        return cfg
+    return None
 
 
 def parse_data_blend(items: Optional[Sequence[str]], flag: str = "--data-path") -> Optional[Tuple[List[str], Optional[List[float]]]]:
@@ -839,9 +895,34 @@ def _check_model(args: argparse.Namespace) -> Dict[str, Any]:
     return dict(model_config=cfg, mtp=has_mtp if args.mtp is None else args.mtp)
 
 
+def _check_seq_length(args: argparse.Namespace, mtp: bool) -> None:
+    """The shortest --seq-length the model trains on: one target per sequence (a fine-tuning sample also needs a
+    prompt token before it), and with MTP a target --mtp-steps tokens further on."""
+    finetune = getattr(args, "mode", "finetune") == "finetune"
+    base = 2 if finetune else 1
+    minimum = max(base, 1 + args.mtp_steps if mtp else 1)
+    if args.seq_length < minimum:
+        if minimum > base:
+            why = (f"the MTP layer needs a target {args.mtp_steps} token(s) further on, --mtp-steps "
+                   f"{args.mtp_steps}; --no-mtp lowers it to {base}")
+        else:
+            why = "a fine-tuning sample needs a prompt token and a target"
+        raise ArgumentError(f"--seq-length {args.seq_length} is too short: the model trains on at least {minimum} "
+                            f"tokens per sequence ({why})", flag="--seq-length")
+
+
 def _config_error_to_flag(e: Exception) -> ArgumentError:
     msg = str(e)
     return ArgumentError(msg, flag=msg.split()[0] if msg.startswith("--") else None)
+
+
+def _launch_hint(args: argparse.Namespace, world: int, needed: int) -> str:
+    """How to launch a layout of ``needed`` ranks, for a layout error in a single process (else "")."""
+    if world != 1:
+        return ""
+    script = f"{getattr(args, 'mode', 'finetune')}_glm5.py"
+    return (f"; this is a single process: launch {needed} with torchrun, e.g. torchrun --nproc-per-node {needed} "
+            f"{script} <the same flags>")
 
 
 def _check_parallel_layout(args: argparse.Namespace, world: int, cfg, flags: Dict[str, Any]) -> Dict[str, Any]:
@@ -854,14 +935,16 @@ def _check_parallel_layout(args: argparse.Namespace, world: int, cfg, flags: Dic
     cp = args.context_parallel_size
     ep = args.expert_model_parallel_size
     etp = flags["expert_tensor_parallel_size"]
+    launch = _launch_hint(args, world, math.lcm(tp * pp * cp, etp * ep * pp))
     if world % (tp * pp * cp):
         raise ArgumentError(
-            f"world size {world} is not divisible by --tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp}", flag="--tp"
+            f"world size {world} is not divisible by --tp {tp} x --pp {pp} x --cp {cp} = {tp * pp * cp}{launch}",
+            flag="--tp",
         )
     if world % (etp * ep * pp):
         raise ArgumentError(
             f"world size {world} is not divisible by --etp {etp} x --ep {ep} x --pp {pp} = {etp * ep * pp} "
-            "(the expert layout)",
+            f"(the expert layout){launch}",
             flag="--ep",
         )
     vpp = args.virtual_pipeline_model_parallel_size
@@ -1058,6 +1141,18 @@ def _check_recompute(args: argparse.Namespace, flags: Dict[str, Any]) -> Dict[st
     return dict(recompute_method=flags["recompute_method"], recompute_num_layers=flags["recompute_num_layers"])
 
 
+def _warn_repeated_paths(flag: str, blend) -> None:
+    """A path listed twice in a blend is read twice (its samples drawn twice as often): say so, once per path."""
+    seen: Dict[str, str] = {}
+    for path in (blend[0] if blend else []):
+        key = os.path.realpath(path)
+        if key in seen:
+            logger.warning("%s lists %s twice (also as %s): its samples are drawn twice as often; list it once, or "
+                           "give blend weights", flag, path, seen[key])
+        else:
+            seen[key] = path
+
+
 def _check_data(args: argparse.Namespace) -> Dict[str, Any]:
     derived = dict(
         data_blend=parse_data_blend(args.data_path, "--data-path"),
@@ -1066,6 +1161,11 @@ def _check_data(args: argparse.Namespace) -> Dict[str, Any]:
     )
     if not str(args.tokenizer).strip():
         raise ArgumentError("--tokenizer is empty", flag="--tokenizer")
+    if getattr(args, "mode", "finetune") == "pretrain" and derived["split_fractions"][0] == 0:
+        raise ArgumentError(f"--split {args.split} gives the training split no share of --data-path (e.g. "
+                            "--split 98,1,1)", flag="--split")
+    for flag, blend in (("--data-path", derived["data_blend"]), ("--valid-data-path", derived["valid_data_blend"])):
+        _warn_repeated_paths(flag, blend)
     return derived
 
 
@@ -1099,6 +1199,7 @@ def derive_args(args: argparse.Namespace, world_size: Optional[int] = None,
     d: Dict[str, Any] = dict(world_size=world)
     d.update(_check_precision(args, cuda, check_device))
     d.update(_check_model(args))
+    _check_seq_length(args, d["mtp"])
     d.update(_check_parallel_layout(args, world, d["model_config"], flags))
     d.update(_check_hybridep(args, world, d["expert_tensor_parallel_size"]))
     d.update(_check_batch(args, world, d["data_parallel_size"]))
@@ -1207,34 +1308,58 @@ def is_user_error(exc: BaseException) -> bool:
     return any((getattr(c, "__module__", "") or "").split(".")[0] == "megatron_glm5" for c in type(exc).__mro__)
 
 
+def _exit_status(exc: BaseException) -> Optional[int]:
+    """2 for a user error, 3 for a lost or stopped peer rank (training/watchdog.py's JobFailure), else None
+    (a bug: the traceback stays)."""
+    if is_user_error(exc):
+        return 2
+    from megatron_glm5.training.watchdog import JobFailure
+
+    return JobFailure.exit_status if isinstance(exc, JobFailure) else None
+
+
 def _report(exc: BaseException) -> None:
+    """Print the one line (rank 0 alone for a flag error under torchrun: every rank sees the same flags; other
+    ranks' lines prefixed ``[rank N]``) and give it to torchrun for its failure summary (torchrun_report.py)."""
+    from megatron_glm5.torchrun_report import write_error_file
+    from megatron_glm5.training.watchdog import JobFailure
+
     message = " ".join(str(exc).split("\n")).strip() or type(exc).__name__
     rank = os.environ.get("RANK")
     try:
         world = int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
         world = 1
+    silent = False
     if world > 1 and rank not in (None, "0"):
-        if isinstance(exc, ArgumentError):
-            return  # every rank sees the same flags; rank 0 reports it
-        message = f"[rank {rank}] {message}"
-    print(f"error: {message}", file=sys.stderr, flush=True)
+        silent = isinstance(exc, ArgumentError)
+        if not silent and not isinstance(exc, JobFailure):  # a JobFailure's message starts with its rank
+            message = f"[rank {rank}] {message}"
+    write_error_file(f"error: {message}")
+    if not silent:
+        print(f"error: {message}", file=sys.stderr, flush=True)
 
 
 class _Guard(contextlib.AbstractContextManager):
     def __exit__(self, exc_type, exc, tb):
-        if exc is None or not is_user_error(exc) or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+        status = None if exc is None else _exit_status(exc)
+        if status is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             return False
         _report(exc)
-        sys.exit(2)
+        if status != 2:  # a peer is gone: this process's distributed state cannot be torn down cleanly
+            sys.stdout.flush()
+            os._exit(status)
+        sys.exit(status)
 
 
 def main_guard(fn: Optional[Callable] = None):
     """Print user errors as one line ``error: <message>`` on stderr and exit with status 2 (no traceback).
 
     A decorator (``@main_guard`` on ``main``) or, called without a function, a context manager
-    (``with main_guard(): ...``).  Other exceptions propagate unchanged; ``MEGATRON_GLM5_TRACEBACK=1`` keeps the
-    traceback for user errors too.  Under torchrun, rank 0 alone reports an :class:`ArgumentError`.
+    (``with main_guard(): ...``).  A lost or stopped peer rank (training/watchdog.py's ``JobFailure``) is one line
+    too, with exit status 3.  Other exceptions propagate unchanged; ``MEGATRON_GLM5_TRACEBACK=1`` keeps the
+    traceback for user errors too.  Under torchrun, rank 0 alone reports an :class:`ArgumentError`, and every
+    failing rank writes its line into torchrun's error file (torchrun_report.py).
     """
     if fn is None:
         return _Guard()

@@ -668,3 +668,74 @@ def test_entry_script_error_is_one_line_without_traceback(tmp_path):
     assert lines == ["error: argument --tensor-model-parallel-size/--tp: must be a positive integer, got '0' "
                      "(see pretrain_glm5.py --help)"], r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ issue 21/20 flag cases
+
+
+def test_yaml_repeated_key_names_both_lines(tmp_path):
+    cfg = write(tmp_path, "lr: 1e-4\ntp: 2\nseed: 3\ntp: 4\n")
+    with pytest.raises(ArgumentError) as ei:
+        parse_args(["--config", cfg])
+    assert str(ei.value) == f"--config {cfg}:4: key 'tp' is given twice (lines 2 and 4); keep one"
+    cfg = write(tmp_path, "tp: 2\nseed: 3\ntensor_model_parallel_size: 2\n")
+    with pytest.raises(ArgumentError) as ei:
+        parse_args(["--config", cfg])
+    assert str(ei.value) == (f"{cfg}:3: key 'tensor_model_parallel_size' sets the same flag as 'tp' (line 1); "
+                             "keep one")
+
+
+@pytest.mark.parametrize("mode, argv, message", [
+    ("finetune", ["--seq-length", "1"], "--seq-length 1 is too short: the model trains on at least 2 tokens per "
+                                        "sequence (a fine-tuning sample needs a prompt token and a target)"),
+    ("pretrain", ["--seq-length", "1"], "--seq-length 1 is too short: the model trains on at least 2 tokens per "
+                                        "sequence (the MTP layer needs a target 1 token(s) further on, --mtp-steps 1; "
+                                        "--no-mtp lowers it to 1)"),
+    ("finetune", ["--seq-length", "3", "--mtp-steps", "3"], "at least 4 tokens per sequence (the MTP layer needs a "
+                                                            "target 3 token(s) further on, --mtp-steps 3; --no-mtp "
+                                                            "lowers it to 2)"),
+])
+def test_seq_length_below_the_minimum(mode, argv, message):
+    err = fails(argv, mode=mode)
+    assert message in str(err) and err.flag == "--seq-length"
+    minimum = int(message.split("at least ")[1].split()[0])  # the documented minimum itself is accepted
+    assert ok(argv[:1] + [str(minimum)] + argv[2:], mode=mode).seq_length == minimum
+    if mode == "pretrain":
+        assert ok(["--seq-length", "1", "--no-mtp"], mode="pretrain").seq_length == 1
+
+
+@pytest.mark.parametrize("mode, argv, needed", [
+    ("finetune", ["--ep", "2"], 2),
+    ("pretrain", ["--pp", "2"], 2),
+    ("finetune", ["--tp", "2", "--ep", "4"], 4),
+    ("finetune", ["--cp", "2", "--ep", "4", "--seq-length", "64"], 4),
+])
+def test_layout_error_in_one_process_says_how_to_launch(mode, argv, needed):
+    err = fails(argv, world=1, mode=mode)
+    assert str(err).startswith("world size 1 is not divisible by")
+    assert str(err).endswith(f"; this is a single process: launch {needed} with torchrun, e.g. torchrun "
+                             f"--nproc-per-node {needed} {mode}_glm5.py <the same flags>")
+    assert "torchrun" not in str(fails(["--ep", "4"], world=2))  # under torchrun: the layout message alone
+
+
+def test_repeated_data_path_is_warned_once(tmp_path, caplog):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    for p in (a, b):
+        p.write_text('{"text": "x"}\n')
+    with caplog.at_level("WARNING", logger="megatron_glm5.arguments"):
+        ok(["--data-path", str(a), str(b), str(tmp_path / "." / "a.jsonl")], mode="pretrain")
+    warned = [r.getMessage() for r in caplog.records if "twice" in r.getMessage()]
+    assert warned == [f"--data-path lists {tmp_path / '.' / 'a.jsonl'} twice (also as {a}): its samples are drawn "
+                      "twice as often; list it once, or give blend weights"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megatron_glm5.arguments"):
+        ok(["--data-path", str(a), str(b)], mode="pretrain")
+    assert not [r for r in caplog.records if "twice" in r.getMessage()]
+
+
+def test_split_without_a_training_share_and_max_sample_bytes():
+    err = fails(["--split", "0,1,0"], mode="pretrain")
+    assert str(err).startswith("--split 0,1,0 gives the training split no share") and err.flag == "--split"
+    assert ok([], mode="pretrain").max_sample_bytes == 8 * 1024 * 1024
+    assert ok(["--max-sample-bytes", "1000"]).max_sample_bytes == 1000
+    assert "--max-sample-bytes" in str(fails(["--max-sample-bytes", "0"]))

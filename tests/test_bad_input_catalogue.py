@@ -126,12 +126,16 @@ SFT_BAD_LINES = {  # case -> (line 3 of an SFT file, reason counted when skipped
     "empty_document": ('{"messages": []}', "bad_chat", ["'messages' is empty"]),
     "no_assistant_turn": ('{"messages": [{"role": "user", "content": "hi"}]}', "bad_chat", ["no assistant message"]),
     "non_utf8": (LATIN1_CHAT.encode("latin-1"), "invalid_utf8", ["not valid UTF-8"]),
+    "lone_surrogate": ('{"messages": [{"role": "user", "content": "x\\ud800"}, {"role": "assistant", "content": '
+                       '"ok"}]}', "lone_surrogate", ["field 'messages[0].content' holds a lone UTF-16 surrogate"]),
 }
 PRETRAIN_BAD_LINES = {
     "malformed_json": ('{"text": "unterminated', "malformed_json", ["malformed JSON"]),
     "missing_text": ('{"content": "no text key"}', "missing_field", ["missing required field 'text'"]),
     "text_not_a_string": ('{"text": 42}', "wrong_type", ["field 'text' must be a string"]),
     "non_utf8": (LATIN1_TEXT.encode("latin-1"), "invalid_utf8", ["not valid UTF-8"]),
+    "lone_surrogate": ('{"text": "bad \\ud800 here"}', "lone_surrogate",
+                       ["field 'text' holds a lone UTF-16 surrogate '\\ud800' (character 5)"]),
 }
 
 
@@ -318,6 +322,12 @@ BAD_FLAGS = {  # case -> (mode, flags, words of the error)
     "negative_spike_threshold": ("pretrain", ["--loss-spike-threshold", "-1"], ["--loss-spike-threshold"]),
     "unknown_flag": ("pretrain", ["--tensor-parallel", "2"], ["--tensor-parallel"]),
     "pp_not_dividing_layers": ("finetune", ["--pp", "3"], ["--pp"]),
+    "ep_without_torchrun": ("finetune", ["--ep", "2"], ["world size 1 is not divisible by --etp 1 x --ep 2",
+                                                       "launch 2 with torchrun, e.g. torchrun --nproc-per-node 2 "
+                                                       "finetune_glm5.py <the same flags>"]),
+    "seq_length_1_finetune": ("finetune", ["--seq-length", "1"], ["--seq-length 1 is too short", "at least 2"]),
+    "seq_length_1_pretrain": ("pretrain", ["--seq-length", "1"], ["--seq-length 1 is too short", "at least 2",
+                                                                  "--no-mtp"]),
 }
 
 
@@ -473,3 +483,152 @@ def test_exit_status_of_real_processes(tmp_path):
         assert proc.returncode == 2, (proc.args, stderr[-2000:])
         errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and needle in errors[0] and "Traceback" not in stderr, stderr[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------ issue 21 / 20 cases
+
+
+@pytest.mark.parametrize("entry", ["finetune", "pretrain", "preprocess"])
+def test_overlong_line_refused_before_decoding(entry, tmp_path, capsys, caplog):
+    """A line over --max-sample-bytes stops the run naming file:line and the flag, or is skipped and counted."""
+    if entry == "finetune":
+        good, bad = _chat_lines(12), json.dumps({"messages": [{"role": "user", "content": "x" * 2000},
+                                                              {"role": "assistant", "content": "ok"}]})
+    else:
+        good, bad = _text_lines(40), json.dumps({"text": "y" * 2000})
+    data = _data_file(tmp_path, good, bad)
+    size = len(bad.encode())
+    if entry == "preprocess":
+        flags = ["--input", data, "--output-prefix", tmp_path / "out" / "p", "--no-progress",
+                 "--max-sample-bytes", 1000]
+        skip = ["--skip-bad-lines"]
+    else:
+        flags = (_sft_flags if entry == "finetune" else _pretrain_flags)(data, tmp_path) + ["--max-sample-bytes", 1000]
+        skip = ["--skip-bad-samples"]
+    rc, _, err = run_main(entry, flags, capsys)
+    assert_stops(rc, err, f"{data}:3: line of {size} bytes is longer than --max-sample-bytes 1000")
+    rc, out, err = run_main(entry, flags + skip, capsys)
+    assert rc == 0, err[-3000:]
+    if entry == "preprocess":
+        assert "1 bad lines skipped" in out and "too_long 1" in caplog.text, (out, caplog.text)
+    else:
+        n = 2 if entry == "finetune" else 1  # finetune reads the file for training and validation
+        assert _skip_summary(caplog, data).startswith(f"{data}: {n} skipped (too_long {n}); first: {data}:3:")
+
+
+def test_default_max_sample_bytes_bounds_a_line(tmp_path, capsys):
+    """The default (8 MiB) refuses a 9 MiB line without decoding it."""
+    data = _write(tmp_path / "big.jsonl", "\n".join(_text_lines(3) + [json.dumps({"text": "z" * (9 << 20)})]) + "\n")
+    rc, _, err = run_main("preprocess", ["--input", data, "--output-prefix", tmp_path / "p", "--no-progress"], capsys)
+    assert_stops(rc, err, f"{data}:4: line of {(9 << 20) + 12} bytes is longer than --max-sample-bytes 8388608 "
+                          "(8 MiB)")
+
+
+def test_preprocess_progress_lines_when_not_a_terminal(tmp_path, capsys, caplog):
+    data = _write(tmp_path / "data.jsonl", "\n".join(_text_lines(600)) + "\n")
+    size = data.stat().st_size
+    rc, out, err = run_main("preprocess", ["--input", data, "--output-prefix", tmp_path / "p",
+                                           "--progress-interval", 0], capsys)
+    assert rc == 0, err
+    lines = [r.getMessage() for r in caplog.records if "docs/s" in r.getMessage()]
+    assert len(lines) >= 3, caplog.text[-2000:]  # one per batch of 256 lines (interval 0), and the final one
+    assert lines[-1].startswith(f"p: 600 documents, {size / 1e3:.1f} kB of {size / 1e3:.1f} kB read (100%), ")
+    caplog.clear()
+    rc, out, err = run_main("preprocess", ["--input", data, "--output-prefix", tmp_path / "q", "--no-progress"], capsys)
+    assert rc == 0 and not [r for r in caplog.records if "docs/s" in r.getMessage()]
+
+
+def _broken_prefix(tmp_path, name, change):
+    src = tmp_path / "good"
+    if not (src.parent / "good.idx").exists():
+        data = _write(tmp_path / "docs.jsonl", "\n".join(_text_lines(40)) + "\n")
+        from megatron_glm5.data.preprocess import preprocess_jsonl
+        preprocess_jsonl(data, src, "tiny", append_eod=True, progress=False)
+    idx, bin_ = (tmp_path / "good.idx").read_bytes(), (tmp_path / "good.bin").read_bytes()
+    idx, bin_ = change(idx, bin_)
+    (tmp_path / f"{name}.idx").write_bytes(idx)
+    (tmp_path / f"{name}.bin").write_bytes(bin_)
+    return tmp_path / name
+
+
+INDEXED_CASES = {  # case -> (change of (.idx, .bin), file named, words)
+    "garbage_idx": (lambda i, b: (b"this is not an index at all\n" * 4, b), "idx", "not a Megatron index"),
+    "truncated_idx": (lambda i, b: (i[:len(i) // 2], b), "idx", "truncated: 40 sequences and 41 document entries"),
+    "header_only_idx": (lambda i, b: (i[:20], b), "idx", "shorter than the 34-byte header"),
+    "truncated_bin": (lambda i, b: (i, b[:len(b) // 3]), "bin", "truncated"),
+    "other_bin": (lambda i, b: (i, b + b"\x00" * 64), "bin", "not the data of this index"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INDEXED_CASES))
+def test_garbage_or_truncated_indexed_dataset(case, tmp_path, capsys):
+    change, named, words = INDEXED_CASES[case]
+    prefix = _broken_prefix(tmp_path, case, change)
+    flags = QUICK + ["--data-path", prefix, "--split", "100,0,0", "--data-cache-path", tmp_path / "cache"]
+    rc, _, err = run_main("pretrain", flags, capsys)
+    assert_stops(rc, err, f"--data-path {prefix}.{named}: ", words, "rebuild it with tools/preprocess_data.py")
+
+
+def _hf_config(tmp_path, drop=(), **changes) -> Path:
+    from megatron_glm5.config import GLM5Config
+
+    d = GLM5Config.from_preset("tiny").to_hf()
+    for k in drop:
+        d.pop(k)
+    d.update(changes)
+    path = tmp_path / f"cfg{len(list(tmp_path.glob('cfg*')))}" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(d))
+    return path
+
+
+def test_hf_config_missing_or_inconsistent_fields(tmp_path, capsys):
+    """No GLM-5 full-size defaults for a config.json's sizes; impossible sizes refused (flags only: nothing built)."""
+    cases = [
+        (dict(drop=("hidden_size",)), "missing required field hidden_size (not assumed to be GLM-5's 6144)"),
+        (dict(drop=("hidden_size", "n_routed_experts", "index_topk")),
+         "missing required fields hidden_size, n_routed_experts, index_topk (not assumed to be GLM-5's 6144, 256, "
+         "2048); add them"),
+        (dict(index_topk=8192), "index_topk (8192) exceeds max_position_embeddings (4096)"),
+        (dict(first_k_dense_replace=5), "first_k_dense_replace (5) exceeds num_hidden_layers (4)"),
+    ]
+    for kw, words in cases:
+        cfg = _hf_config(tmp_path, **kw)
+        rc, _, err = run_main("finetune", ["--hf-config", cfg, "--no-save"], capsys)
+        assert_stops(rc, err, f"--hf-config {cfg}: ", words)
+
+
+def test_yaml_repeated_key(tmp_path, capsys):
+    cfg = _write(tmp_path / "run.yaml", "train-iters: 2\nseed: 3\ntrain-iters: 4\n")
+    rc, _, err = run_main("finetune", ["--config", cfg, "--no-save"], capsys)
+    assert_stops(rc, err, f"--config {cfg}:3: key 'train-iters' is given twice (lines 1 and 3); keep one")
+
+
+def test_repeated_data_path_is_warned(tmp_path, capsys, caplog):
+    data = _write(tmp_path / "data.jsonl", "\n".join(_chat_lines(12)) + "\n")
+    rc, _, err = run_main("finetune", QUICK + ["--data-path", data, data, "--valid-data-path", data], capsys)
+    assert rc == 0, err[-3000:]
+    warned = [r.getMessage() for r in caplog.records if "twice" in r.getMessage()]
+    assert warned == [f"--data-path lists {data} twice (also as {data}): its samples are drawn twice as often; "
+                      "list it once, or give blend weights"]
+
+
+def test_small_corpus_split_through_pretrain_glm5(tmp_path):
+    """pretrain_glm5.py on small corpora (real processes, a timeout: megatron-core looped forever on an empty split):
+    50 documents at the default --split 98,1,1 train (the test split, empty, is not built), 20 documents leave the
+    validation split empty: one line naming --split and the counts."""
+    from training_helpers import assert_user_error, check_ok, run_entries
+
+    runs = []
+    for n in (50, 20):
+        d = tmp_path / f"c{n}"
+        d.mkdir()
+        corpus = _write(d / "corpus.jsonl", "\n".join(_text_lines(n)) + "\n")
+        runs.append(("pretrain", ["--train-iters", "2", "--eval-iters", "1", "--eval-interval", "2", "--no-save",
+                                  "--micro-batch-size", "2", "--seq-length", "32", "--data-path", corpus,
+                                  "--data-cache-path", d / "cache"], d))
+    trained, refused = run_entries(runs, timeout=240)
+    assert "validation at iter 2" in check_ok(trained).stdout + trained.stderr
+    corpus = tmp_path / "c20" / "corpus.jsonl"
+    assert_user_error(refused, f"--split 98,1,1: the valid split of {corpus} is empty: its 20 documents split into "
+                               "train 20, valid 0, test 0; give the valid split a larger share")

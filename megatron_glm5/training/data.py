@@ -80,6 +80,7 @@ def check_data_paths(args):
     """Fail fast, before the model is built, on a --data-path / --valid-data-path that names no data (a missing,
     empty or directory .jsonl; a prefix without .bin/.idx). Contents are checked when the datasets are built."""
     from megatron_glm5.arguments import ArgumentError
+    from megatron_glm5.data.indexed_check import check_indexed_prefix
     from megatron_glm5.data.jsonl import check_jsonl_path
 
     for flag, blend in (("--data-path", args.data_blend), ("--valid-data-path", args.valid_data_blend)):
@@ -88,6 +89,10 @@ def check_data_paths(args):
                 if not (os.path.isfile(path + ".bin") and os.path.isfile(path + ".idx")):
                     raise ArgumentError(f"{flag} {path}: neither a .jsonl file nor a Megatron prefix with {path}.bin "
                                         f"and {path}.idx (build those with tools/preprocess_data.py)", flag=flag)
+                try:  # a garbage or truncated .idx/.bin
+                    check_indexed_prefix(path)
+                except DataError as e:
+                    raise ArgumentError(f"{flag} {e}", flag=flag) from None
                 continue
             try:
                 check_jsonl_path(path)
@@ -107,7 +112,7 @@ def build_streams(args, tokenizer, consumed_train: int = 0):
 
         def load(paths):
             datasets = [SFTDataset(p, tokenizer, seq, skip_bad=args.skip_bad_samples, overlong=args.overlong,
-                                   packed=args.packing) for p in paths]
+                                   packed=args.packing, max_sample_bytes=args.max_sample_bytes) for p in paths]
             docs = [d[i] for d in datasets for i in range(len(d))]
             if args.packing:
                 return pack_sequences(docs, seq, tokenizer.pad_id), concat_packed
@@ -135,14 +140,16 @@ def build_streams(args, tokenizer, consumed_train: int = 0):
             paths, weights = paths_weights
             return list(zip(paths, weights)) if weights else paths
 
-        train_ds, valid_ds, _ = build_pretrain_datasets(
+        own_valid = bool(args.valid_data_blend and args.valid_data_blend[0])  # replaces the --split share
+        train_ds, valid_ds, _ = build_pretrain_datasets(  # 0 samples: the split is not built (the test split)
             blend_of(args.data_blend), args.split, seq_length=seq, seed=args.seed, tokenizer=tokenizer,
-            num_samples=(args.train_iters * gbs, eval_runs * gbs, gbs),  # the test split is not used in training
-            cache_dir=cache, skip_bad=args.skip_bad_samples)
-        if args.valid_data_blend and args.valid_data_blend[0]:  # --valid-data-path replaces the --split share
+            num_samples=(args.train_iters * gbs, 0 if own_valid else eval_runs * gbs, 0),
+            cache_dir=cache, skip_bad=args.skip_bad_samples, max_sample_bytes=args.max_sample_bytes)
+        if own_valid:
             _, valid_ds, _ = build_pretrain_datasets(
                 blend_of(args.valid_data_blend), "0,100,0", seq_length=seq, seed=args.seed, tokenizer=tokenizer,
-                num_samples=(gbs, eval_runs * gbs, gbs), cache_dir=cache, skip_bad=args.skip_bad_samples)
+                num_samples=(0, eval_runs * gbs, 0), cache_dir=cache, skip_bad=args.skip_bad_samples,
+                max_sample_bytes=args.max_sample_bytes)
         train = MicroBatchStream(train_ds, _stack_gpt, args.micro_batch_size, dp_rank, dp, args.seed,
                                  consumed_train, shuffle=False)
         valid = (valid_ds, _stack_gpt) if valid_ds is not None and len(valid_ds) else None
