@@ -828,6 +828,7 @@ class DerivedArgs:
     params_dtype: Any  # torch.bfloat16 or torch.float32
     model_config: Any  # megatron_glm5.config.GLM5Config
     mtp: bool
+    fresh_mtp: bool  # --mtp on a checkpoint without MTP weights: that layer keeps its fresh initialisation
     expert_tensor_parallel_size: int
     virtual_pipeline_model_parallel_size: Optional[int]
     data_parallel_size: int
@@ -887,12 +888,37 @@ def _check_precision(args: argparse.Namespace, cuda: bool, check_device: bool) -
     return dict(bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
+def _checkpoint_has_mtp(load: Optional[str]) -> Optional[bool]:
+    """Whether the checkpoint --load names holds MTP weights (None: no --load, or its record cannot be read --
+    loading it then says what is wrong)."""
+    if not load or not os.path.isdir(load):
+        return None
+    from megatron_glm5.checkpoint.format import CheckpointFormatError, read_record
+
+    try:
+        return bool(read_record(load).mtp)
+    except (CheckpointFormatError, OSError, ValueError):
+        return None
+
+
 def _check_model(args: argparse.Namespace) -> Dict[str, Any]:
     cfg = _load_model_config(args)
     has_mtp = cfg.num_nextn_predict_layers > 0
     if args.mtp and not has_mtp:
         raise ArgumentError("--mtp: the model config has no MTP layer (num_nextn_predict_layers is 0)", flag="--mtp")
-    return dict(model_config=cfg, mtp=has_mtp if args.mtp is None else args.mtp)
+    saved_mtp = _checkpoint_has_mtp(args.load) if has_mtp else None
+    fresh_mtp = False
+    if saved_mtp is False and args.mtp is None:  # e.g. a model saved by transformers: its config has MTP, no weights
+        logger.info("--load %s holds no MTP weights: training without the MTP layer (pass --mtp to train a freshly "
+                    "initialised one)", args.load)
+        has_mtp = False
+    elif saved_mtp is False and args.mtp:
+        if not args.finetune:
+            raise ArgumentError(f"--mtp: {args.load} holds no MTP weights, so a resume cannot continue one; start "
+                                "a fresh MTP layer with --finetune, or leave --mtp out", flag="--mtp")
+        logger.warning("--mtp: %s holds no MTP weights: the MTP layer starts freshly initialised", args.load)
+        fresh_mtp = True
+    return dict(model_config=cfg, mtp=has_mtp if args.mtp is None else args.mtp, fresh_mtp=fresh_mtp)
 
 
 def _check_seq_length(args: argparse.Namespace, mtp: bool) -> None:

@@ -830,3 +830,23 @@ if __name__ == "__main__":  # torchrun worker of test_loads_at_tp2_and_ep2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     _dist_worker(sys.argv[1], sys.argv[2])
+
+
+def test_finetune_follows_the_checkpoints_mtp(tmp_path):
+    """Fine-tuning a converted model that transformers saved without MTP weights (config.json says 1 MTP layer):
+    --load alone takes the model from the checkpoint and trains without MTP (it used to stop asking for --no-mtp);
+    --mtp trains a freshly initialised MTP layer, saying so."""
+    from hf_tiny import make_hf_model, save_hf_model
+    from training_helpers import check_ok, read_metrics, run_entry
+
+    hf, _ = make_hf_model("tiny", seed=4)
+    save_hf_model(hf, tmp_path / "plain")
+    to_megatron(tmp_path / "plain", tmp_path / "mc")
+    flags = ["--load", tmp_path / "mc", "--finetune", "--train-iters", "2", "--lr-warmup-iters", "0",
+             "--eval-iters", "0", "--log-interval", "1"]
+    plain = check_ok(run_entry("finetune", flags + ["--save", tmp_path / "s1"], tmp_path))
+    assert "holds no MTP weights: training without the MTP layer" in plain.stdout + plain.stderr
+    assert not any("mtp-loss" in r for r in read_metrics(tmp_path / "s1" / "tensorboard"))
+    fresh = check_ok(run_entry("finetune", flags + ["--mtp", "--save", tmp_path / "s2"], tmp_path))
+    assert "the MTP layer starts freshly initialised" in fresh.stdout + fresh.stderr
+    assert any("mtp-loss" in r for r in read_metrics(tmp_path / "s2" / "tensorboard"))

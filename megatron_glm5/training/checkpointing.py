@@ -544,22 +544,32 @@ def _resume_global_batch(record: ModelRecord, args, path: str, scheduler) -> Non
         rescale_scheduler(scheduler, args)
 
 
-def _check_model_tensors(model_sd: dict, path: str) -> set:
+def _check_model_tensors(model_sd: dict, path: str, fresh_mtp: bool = False) -> set:
     """Every tensor of this model must be in the checkpoint (say which is not, instead of dist_checkpointing's
-    KeyError listing the whole checkpoint). Returns the keys of the checkpoint's tensors."""
+    KeyError listing the whole checkpoint) -- except, with ``fresh_mtp`` (--mtp asked for on a checkpoint without
+    MTP weights), the MTP layer's, which keep their fresh initialisation. Returns the keys of the checkpoint's
+    tensors."""
     from megatron.core.dist_checkpointing import load_tensors_metadata
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     saved = load_tensors_metadata(path)
     missing = sorted({t.key for t in nested_values(model_sd) if isinstance(t, ShardedTensor) and t.key not in saved})
-    if not missing:
+    if not missing or (fresh_mtp and all(k.startswith("mtp.") for k in missing)):
         return set(saved)
     hint = ""
     if all(k.startswith("mtp.") for k in missing):
         hint = " (it was saved without the MTP layer: pass --no-mtp)"
     raise CheckpointMismatch(f"--load {path}: the checkpoint lacks {len(missing)} tensor(s) of this model, e.g. "
                              f"{missing[0]}{hint}")
+
+
+def _drop_unsaved(state: dict, saved_keys: set) -> None:
+    """Leave out of the load request the model entries the checkpoint does not hold (a fresh MTP layer)."""
+    for chunk in (k for k in state if k.startswith("model")):
+        for name in [n for n, t in state[chunk].items() if getattr(t, "key", None) not in saved_keys
+                     and getattr(t, "key", "").startswith("mtp.")]:
+            del state[chunk][name]
 
 
 def _loaded_model_tensors(state: dict, loaded: dict) -> dict:
@@ -695,7 +705,10 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
         _resume_global_batch(record, args, path, scheduler)
     state = _model_sharded_state(model_chunks)
     model_sd = state["model"] if "model" in state else dict(state)
-    saved_keys = _check_model_tensors(model_sd, path)
+    fresh_mtp = bool(getattr(args, "fresh_mtp", False))
+    saved_keys = _check_model_tensors(model_sd, path, fresh_mtp)
+    if fresh_mtp:
+        _drop_unsaved(state, saved_keys)
     load_optim = load_sched = not finetune and not args.no_load_optim
     saved_trainable = record.trainable if record.trainable is not None else trainable_of(args)
     if load_optim and saved_trainable != trainable_of(args):
@@ -718,7 +731,8 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
     loaded = dist_checkpointing.load(state, path)
     for key, chunk in zip(sorted(k for k in loaded if k.startswith("model")), model_chunks):
         result = chunk.load_state_dict(loaded[key], strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+        missing = [k for k in result.missing_keys if not k.endswith("_extra_state")
+                   and not (fresh_mtp and k.startswith("mtp."))]
         if missing:
             raise CheckpointMismatch(f"--load {path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
     if load_optim:
