@@ -202,12 +202,17 @@ class Scenarios:
         tb = self.workdir / "sigint2_tb"
         argv = BASE_FLAGS + ["--data-path", self.data, "--valid-data-path", self.data, "--save", save,
                              "--tensorboard-dir", tb]
-        run = Run(self.main, argv, self.workdir / "sigint2.log")
+        # Python runs a signal handler between bytecodes: two signals that arrive while a torch op runs become one.
+        # So the second Ctrl-C is sent once the first has been handled (its line is logged), and each save is
+        # held 0.5 s after writing its files, so the run cannot have finished in between.
+        run = Run(self.main, argv, self.workdir / "sigint2.log",
+                  hook=lambda point, iteration: time.sleep(0.5) if point == "files-written" else None)
         deadline = time.time() + 300
         while run.poll() is None and last_logged_iteration(tb) < 3 and time.time() < deadline:
             time.sleep(0.005)
         run.kill(signal.SIGINT)
-        time.sleep(0.002)
+        while run.poll() is None and "received SIGINT" not in run.text() and time.time() < deadline:
+            time.sleep(0.002)
         run.kill(signal.SIGINT)
         code = run.wait()
         text = run.text()
