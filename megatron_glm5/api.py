@@ -15,6 +15,24 @@ from megatron_glm5.conversion.hf_mapping import conversion_plan, hf_to_mcore_ten
 from megatron_glm5.conversion.safetensors_io import CheckpointError, HFCheckpointReader
 
 
+def _single_process_model(cfg: GLM5Config, has_mtp: bool, mtp: Optional[bool], dtype: torch.dtype,
+                          device: Optional[str], overrides: dict, where: str, error: type):
+    """(model, mtp): the uninitialised single-process model a loader fills; ``mtp`` defaults to ``has_mtp``."""
+    from megatron_glm5.model.model import build_model
+
+    if mtp is None:
+        mtp = has_mtp
+    elif mtp and not has_mtp:
+        raise error(f"{where}: mtp=True but the checkpoint has no MTP layer")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    overrides.setdefault("params_dtype", dtype)
+    overrides.setdefault("use_cpu_initialization", device == "cpu")
+    overrides.setdefault("perform_initialization", False)
+    with torch.device(device):
+        return build_model(cfg, mtp=mtp, **overrides), mtp
+
+
 def from_hf_pretrained(path: str, dtype: torch.dtype = torch.float32, device: Optional[str] = None,
                        mtp: Optional[bool] = None, **overrides):
     """Load an HF GlmMoeDsa directory (config.json + safetensors, sharded or not) into a single-process model.
@@ -23,23 +41,11 @@ def from_hf_pretrained(path: str, dtype: torch.dtype = torch.float32, device: Op
     ``overrides`` go to GLM5Config.to_transformer_config (e.g. dsa_backend="torch").
     Tensors are read one group at a time; the model is returned in eval mode.
     """
-    from megatron_glm5.model.model import build_model
-
     cfg = GLM5Config.from_hf(path)
     reader = HFCheckpointReader(path)
-    has_mtp = bool(cfg.num_nextn_predict_layers) and f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in reader
-    if mtp is None:
-        mtp = has_mtp
-    elif mtp and not has_mtp:
-        raise CheckpointError(f"{path}: mtp=True but the checkpoint has no MTP layer "
-                              f"(model.layers.{cfg.num_hidden_layers}.eh_proj.weight)")
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    overrides.setdefault("params_dtype", dtype)
-    overrides.setdefault("use_cpu_initialization", device == "cpu")
-    overrides.setdefault("perform_initialization", False)
-    with torch.device(device):
-        model = build_model(cfg, mtp=mtp, **overrides)
+    mtp_key = f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"
+    model, mtp = _single_process_model(cfg, bool(cfg.num_nextn_predict_layers) and mtp_key in reader, mtp, dtype,
+                                       device, overrides, f"{path} (no {mtp_key})", CheckpointError)
     load_hf_weights(model, reader, cfg, include_mtp=mtp)
     return model.eval()
 
@@ -79,7 +85,6 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: Optio
     """
     from megatron_glm5.conversion.convert import ConversionError, resolve_checkpoint_dir
     from megatron_glm5.conversion.torch_dist_stream import TorchDistReader
-    from megatron_glm5.model.model import build_model
 
     directory = resolve_checkpoint_dir(path, verify=verify, flag="load_checkpoint:",
                                        skip_hint="pass verify=False to load it anyway")
@@ -87,18 +92,8 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, device: Optio
     try:
         record = reader.record()
         cfg = GLM5Config.from_hf(record.model_config)
-        has_mtp = bool(cfg.num_nextn_predict_layers) and bool(record.mtp)
-        if mtp is None:
-            mtp = has_mtp
-        elif mtp and not has_mtp:
-            raise ConversionError(f"{directory}: mtp=True but the checkpoint has no MTP layer")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        overrides.setdefault("params_dtype", dtype)
-        overrides.setdefault("use_cpu_initialization", device == "cpu")
-        overrides.setdefault("perform_initialization", False)
-        with torch.device(device):
-            model = build_model(cfg, mtp=mtp, **overrides)
+        model, mtp = _single_process_model(cfg, bool(cfg.num_nextn_predict_layers) and bool(record.mtp), mtp,
+                                           dtype, device, overrides, directory, ConversionError)
         load_torch_dist_weights(model, reader)
     finally:
         reader.close()
