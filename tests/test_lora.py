@@ -1,0 +1,85 @@
+"""LoRA on a frozen base (megatron_glm5/lora/): the flags' bad-input lines, the target names, and one set of real
+fine-tuning runs of the tiny preset (a base checkpoint; LoRA run A; run B stopped half-way and resumed as C).
+
+Must hold: the adapter checkpoint holds only adapter tensors and their optimizer state, and names its base and
+LoRA config; the resumed run repeats the uninterrupted one bitwise; an adapter checkpoint refuses other --lora-*
+flags in one line.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training_helpers import assert_user_error, check_ok, read_metrics, run_entries, run_entry, series
+
+from megatron_glm5 import arguments
+from megatron_glm5.lora import targets
+
+
+def _check(*flags):
+    args = arguments.parse_args(["--no-save", *flags], mode="finetune")
+    return arguments.validate_args(args, world_size=1, check_device=False)
+
+
+def test_target_names_resolve_and_match():
+    assert targets.resolve(["attention"]) == ("kv_a", "kv_b", "o", "q_a", "q_b")
+    assert targets.resolve(["o_proj", "experts_down"]) == ("experts_down", "o")
+    assert targets.match("decoder.layers.3.self_attention.linear_q_up_proj", ("q_b", "o")) == ("q_b",)
+    assert targets.match("decoder.layers.3.mlp.experts", targets.GROUPS["all"]) == ("experts_gate_up",
+                                                                                    "experts_down")
+    assert targets.match("mtp.layers.0.mtp_model_layer.self_attention.linear_proj", ("o",)) == ()
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--lora-rank", "0"], "--lora-rank must be a positive integer, got 0"),
+    (["--lora-rank", "4", "--lora-target-modules", "q_a,qkv"], "--lora-target-modules: unknown module 'qkv'; valid:"),
+    (["--train-indexer"], "--train-indexer is for LoRA runs"),
+    (["--lora-rank", "4", "--train-indexer", "--freeze-indexer"], "contradict"),
+])
+def test_bad_lora_flags_are_one_line(flags, needle):
+    with pytest.raises(Exception) as info:
+        _check(*flags)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+    assert arguments.is_user_error(info.value)
+
+
+def test_lora_flags_derive_config():
+    args = _check("--lora-rank", "8", "--lora-target-modules", "attention,experts")
+    assert args.lora.rank == 8 and args.lora.alpha == 16.0 and args.lora.scaling == 2.0
+    assert "kv_b" in args.lora.targets and "gate_up" not in args.lora.targets
+    assert arguments.args_to_overrides(args)["dsa_freeze_indexer"] is True
+    assert arguments.args_to_overrides(args)["moe_router_bias_update_rate"] == 0.0
+
+
+LORA = ["--lora-rank", "4", "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", "--train-iters", "4",
+        "--save-interval", "2"]
+
+
+@pytest.mark.slow
+def test_lora_runs_resume_bitwise_and_save_adapters_only(tmp_path):
+    check_ok(run_entry("finetune", ["--train-iters", "1", "--eval-iters", "0", "--save", "base"], tmp_path))
+    a, b = run_entries([("finetune", ["--load", "base", "--finetune", *LORA, "--save", "A"], tmp_path),
+                        ("finetune", ["--load", "base", "--finetune", *LORA, "--save", "B", "--exit-interval", "2"],
+                         tmp_path)])
+    check_ok(a), check_ok(b)
+    c = check_ok(run_entry("finetune", ["--load", "base", "--resume", *LORA, "--save", "B"], tmp_path))
+    loss_a = series(read_metrics(tmp_path / "A" / "tensorboard"), "lm-loss")
+    loss_c = series(read_metrics(tmp_path / "B" / "tensorboard"), "lm-loss")
+    assert sorted(loss_a) == [1, 2, 3, 4] and all(loss_a[i] == loss_c[i] for i in (3, 4)), (loss_a, loss_c)
+
+    from megatron.core.dist_checkpointing import load_common_state_dict, load_tensors_metadata
+    ckpt = tmp_path / "A" / "iter_0000004"
+    keys = set(load_tensors_metadata(str(ckpt)))
+    model_keys = {k for k in keys if not k.startswith("optimizer.")}
+    assert model_keys and all(k.rsplit(".", 1)[-1].startswith("lora_") for k in model_keys), sorted(model_keys)[:5]
+    opt_keys = {k for k in keys if k.startswith("optimizer.")}
+    assert opt_keys and all(".lora_" in k for k in opt_keys), sorted(opt_keys)[:5]
+    common = load_common_state_dict(str(ckpt))
+    record = common["glm5_lora"]
+    assert record["lora"]["rank"] == 4 and record["base"]["model_fingerprint"] == common["glm5"]["model_fingerprint"]
+    base_keys = set(load_tensors_metadata(str(tmp_path / "base" / "iter_0000001")))
+    assert not model_keys & base_keys
+
+    bad = run_entry("finetune", ["--load", "base", "--resume", *LORA[:-2], "--lora-rank", "8", "--save", "A",
+                                 "--train-iters", "6"], tmp_path)
+    assert_user_error(bad, "--lora-rank 8 but the adapter checkpoint", "was trained with 4")
