@@ -7,7 +7,6 @@
   apply.py       wrap a built model chunk, freeze everything else
   flags.py       the --lora-* flags and their checks
   checkpoint.py  adapter-only checkpoints that name their base
-  export.py      PEFT export (adapter_config.json + adapter_model.safetensors) and merging into the base
 
 docs/lora.md is the guide.
 """
