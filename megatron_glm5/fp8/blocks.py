@@ -30,9 +30,10 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
 def scale_shape(shape, block: int = BLOCK) -> Tuple[int, ...]:
-    """The ``weight_scale_inv`` shape for a weight of ``shape`` (2-D or 3-D; the last two dims are blocked)."""
-    if len(shape) not in (2, 3):
-        raise ValueError(f"block-scaled FP8 needs a 2-D [N, K] or 3-D [E, N, K] weight, got shape {list(shape)}")
+    """The ``weight_scale_inv`` shape for a weight of ``shape`` ([..., N, K]: the last two dims are blocked, leading
+    dims such as experts index separate weights)."""
+    if len(shape) < 2:
+        raise ValueError(f"block-scaled FP8 needs a [N, K] or [E, N, K] weight, got shape {list(shape)}")
     *lead, n, k = shape
     return (*lead, math.ceil(n / block), math.ceil(k / block))
 

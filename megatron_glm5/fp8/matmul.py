@@ -127,10 +127,16 @@ def offsets_to_counts(offsets: torch.Tensor) -> list:
     return torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long()).tolist()
 
 
-def fp8_grouped_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, tokens_per_expert) -> torch.Tensor:
-    """Routed experts: ``x [T, K]`` sorted by expert, ``q [E, N, K]``, ``scale_inv [E, nb, kb]``,
-    ``tokens_per_expert`` [E] (tensor or sequence) -> ``[T, N]``."""
+def fp8_grouped_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, tokens_per_expert=None, *,
+                       offsets: Optional[torch.Tensor] = None, counts: Optional[list] = None) -> torch.Tensor:
+    """Routed experts: ``x [T, K]`` sorted by expert, ``q [E, N, K]``, ``scale_inv [E, nb, kb]`` -> ``[T, N]``.
+
+    The tokens per expert as ``tokens_per_expert`` [E] (tensor or sequence), or as model/moe.py passes them:
+    ``offsets`` (int32 cumulative ends on x's device) with the host ``counts`` when known."""
     if q.dim() != 3 or x.dim() != 2 or x.shape[-1] != q.shape[2]:
         raise ValueError(f"fp8_grouped_linear: input {list(x.shape)} does not fit the experts' weight {list(q.shape)}")
-    counts, offsets = _counts_and_offsets(tokens_per_expert, q.shape[0], x.device)
+    if tokens_per_expert is not None:
+        counts, offsets = _counts_and_offsets(tokens_per_expert, q.shape[0], x.device)
+    elif offsets is None or offsets.numel() != q.shape[0]:
+        raise ValueError(f"fp8_grouped_linear: give tokens_per_expert or offsets for {q.shape[0]} experts")
     return _FP8GroupedLinear.apply(x, q, scale_inv, counts, offsets)
