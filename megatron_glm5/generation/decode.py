@@ -37,7 +37,7 @@ def cached_forward(model, cache: KVCache, input_ids: torch.Tensor, position_ids:
     hidden = model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=inputs)  # [s, b, H]
     if last is not None:
         hidden = hidden[last.to(hidden.device), torch.arange(hidden.shape[1], device=hidden.device)].unsqueeze(0)
-    logits, _ = model.output_layer(hidden)
+    logits, _ = model.output_layer(hidden, runtime_gather_output=True)  # the whole vocabulary
     return logits.transpose(0, 1)
 
 
