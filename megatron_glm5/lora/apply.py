@@ -34,7 +34,8 @@ def _attach(module, name: str, kinds: set, cfg: LoRAConfig) -> None:
         module.attach(cfg.rank, cfg.alpha, cfg.dropout, fc1="experts_fc1" in kinds, fc2="experts_fc2" in kinds)
         return
     (kind,) = kinds
-    mixin, needs = (ColumnLoRA, "output_size_per_partition") if kind == "column" else (RowLoRA, "input_size_per_partition")
+    mixin, needs = ((ColumnLoRA, "output_size_per_partition") if kind == "column"
+                    else (RowLoRA, "input_size_per_partition"))
     if not hasattr(module, needs):
         raise TypeError(f"{name}: {type(module).__name__} is not a {kind}-parallel linear")
     module.__class__ = lora_class(type(module), mixin)

@@ -43,7 +43,9 @@ class AdapterScope:
         return key not in self.trainable if self.mode == "adapters" else self.is_adapter(key)
 
     def common_state(self) -> dict:
-        return {COMMON_KEY: {"lora": self.cfg.to_record(), "base": dict(self.base_record)}} if self.mode == "adapters" else {}
+        if self.mode != "adapters":
+            return {}
+        return {COMMON_KEY: {"lora": self.cfg.to_record(), "base": dict(self.base_record)}}
 
 
 def _set_mode(chunks, mode: str) -> None:
@@ -96,6 +98,10 @@ def load(args, chunks, optimizer, scheduler) -> dict:
     for m in chunks:
         m.checkpoint_scope.base_record = {"model_fingerprint": fingerprint,
                                           "checkpoint": os.path.realpath(base) if base else None}
+    if not base and args.load:  # a run from --seed's base: build_model_chunks saw --load and drew nothing
+        from megatron_glm5.model.init import initialize_by_global_identity
+        for m in chunks:
+            initialize_by_global_identity(m, args.seed)
     if base:
         _set_mode(chunks, "base")
         weights_only = copy.copy(args)

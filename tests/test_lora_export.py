@@ -1,0 +1,122 @@
+"""LoRA adapters on our model (in process, CPU fp32, the tiny preset) against transformers + peft:
+
+- a PEFT directory written from our adapters (lora/export.py's table: attention as target_modules, the routed
+  experts as 3-D target_parameters) loads with ``PeftModel.from_pretrained`` onto GlmMoeDsaForCausalLM, and its
+  logits equal ours within 1e-5 relative;
+- a backward through the adapted model gives gradients to the adapters only (the frozen base gets none), and an
+  optimizer step leaves every base tensor bitwise as it was;
+- the merged weights (lora/export.MergingReader) equal base + (alpha/r) B A computed here.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import megatron_glm5
+from hf_tiny import make_hf_model, save_hf_model
+
+peft = pytest.importorskip("peft", reason="pip install peft (the test extra)")
+
+SEQ, BATCH = 24, 2
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    from megatron_glm5.lora.apply import apply_lora
+    from megatron_glm5.lora.config import LoRAConfig
+    from megatron_glm5.lora import targets
+
+    hf, cfg = make_hf_model("tiny", seed=3)
+    path = save_hf_model(hf, tmp_path_factory.mktemp("hf"))
+    ours = megatron_glm5.from_hf_pretrained(path, dsa_backend="torch", device="cpu")
+    lora = LoRAConfig(rank=4, alpha=6.0, dropout=0.0, targets=targets.resolve(["attention", "experts"]))
+    apply_lora(ours, lora, seed=11)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if name.rsplit(".", 1)[-1].startswith("lora_b"):  # B starts at zero: give the adapters an effect
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return hf, ours, cfg, lora, path
+
+
+def _adapters(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if n.rsplit(".", 1)[-1].startswith("lora_")}
+
+
+def test_peft_export_loads_with_equal_logits(adapted, tmp_path):
+    from safetensors.torch import save_file
+    from transformers import GlmMoeDsaForCausalLM
+
+    from megatron_glm5.lora.export import peft_state
+
+    hf, ours, cfg, lora, path = adapted
+    state, modules, params = peft_state(cfg, lora, _adapters(ours))
+    assert len(modules) == 5 * cfg.num_hidden_layers and len(params) == 2 * (cfg.num_hidden_layers - 1)
+    save_file(state, str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0,
+        "target_modules": modules, "target_parameters": params, "bias": "none"}))
+    base = GlmMoeDsaForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager").eval()
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path)).eval()
+    loaded = peft.get_peft_model_state_dict(model)
+    assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        out = ours.eval()(ids)
+    out = out.transpose(0, 1) if out.shape[0] != BATCH else out
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 1e-5, rel
+    with model.disable_adapter(), torch.no_grad():  # the adapters really change the logits
+        off = model(input_ids=ids).logits
+    assert ((off - ref).norm() / ref.norm()).item() > 1e-3
+
+
+def test_only_adapters_get_gradients_and_the_base_stays_bitwise(adapted):
+    hf, ours, cfg, lora, path = adapted
+    base_before = {n: p.detach().clone() for n, p in ours.named_parameters() if not p.requires_grad}
+    trainable = [p for p in ours.parameters() if p.requires_grad]
+    names = [n for n, p in ours.named_parameters() if p.requires_grad]
+    assert names and all(n.rsplit(".", 1)[-1].startswith("lora_") for n in names)
+    opt = torch.optim.Adam(trainable, lr=1e-2)
+    ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    ours.train()
+    for _ in range(2):
+        opt.zero_grad()
+        loss = ours(ids, labels=ids).float().mean()
+        loss.backward()
+        opt.step()
+    ours.eval()
+    assert all(p.grad is None for n, p in ours.named_parameters() if not p.requires_grad)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable)
+    assert set(id(p) for p in opt.state) == set(id(p) for p in trainable)
+    for n, p in ours.named_parameters():
+        if n in base_before:
+            assert torch.equal(p, base_before[n]), n
+
+
+def test_merging_reader_adds_scaled_product(adapted):
+    from megatron_glm5.lora.export import MergingReader
+
+    hf, ours, cfg, lora, path = adapted
+    adapters = _adapters(ours)
+    sd = {k: v.detach() for k, v in ours.state_dict().items() if not k.endswith("_extra_state")}
+
+    class Plain:  # a reader over the in-memory base (MergingReader reads blocks through read_region)
+        def read_region(self, key, offsets, sizes):
+            return sd[key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
+
+    merged = MergingReader(Plain(), adapters, lora)
+    key = "decoder.layers.1.self_attention.linear_kv_up_proj.weight"
+    m = "decoder.layers.1.self_attention.linear_kv_up_proj."
+    want = sd[key] + (lora.alpha / lora.rank) * adapters[m + "lora_b"] @ adapters[m + "lora_a"]
+    got = merged.read_region(key, (3, 2), (5, 7))
+    assert torch.allclose(got, want[3:8, 2:9], rtol=1e-6, atol=1e-7)
+    ek, e = "decoder.layers.2.mlp.experts.weight1", "decoder.layers.2.mlp.experts."
+    w1 = sd[ek]  # [E, 2, I, H]
+    d = torch.einsum("eor,erh->eoh", adapters[e + "lora_b1"], adapters[e + "lora_a1"]) * (lora.alpha / lora.rank)
+    want = w1 + d.view(w1.shape)
+    got = merged.read_region(ek, (2, 1, 0, 3), (3, 1, w1.shape[2], 4))
+    assert torch.allclose(got, want[2:5, 1:2, :, 3:7], rtol=1e-6, atol=1e-7)
