@@ -2,6 +2,7 @@
 GlmMoeDsaForCausalLM, in the same process, on the same config and the same random tokens.
 
     python benchmarks/proxy_step.py [--preset glm5 --layers 4 --dense 3 --seq 4096 --attn triton] [--json out.json]
+        [--cross-entropy-fusion chunked] [--impls ours]
 
 Default model: GLM-5 width, 4 layers (3 dense + 1 MoE with all 256 experts), no MTP, bf16, batch 1 x 4096 tokens
 (the shape of the transformers baseline in ../shared/GLM5_REFERENCE.md: 274 ms/step, 14.9k tokens/s).
@@ -58,12 +59,13 @@ class _Timer:
             self.ms = (time.perf_counter() - self.t0) * 1e3
 
 
-def build_ours(cfg: GLM5Config, dtype, device, attn: str, indexer_loss_coeff: float, permute_fusion=None):
+def build_ours(cfg: GLM5Config, dtype, device, attn: str, indexer_loss_coeff: float, permute_fusion=None,
+               cross_entropy_fusion: str = "none"):
     from megatron_glm5.model.model import build_model
 
     model = build_model(cfg, mtp=False, params_dtype=dtype, bf16=dtype == torch.bfloat16, dsa_backend=attn,
                         dsa_stage="sparse", dsa_indexer_loss_coeff=indexer_loss_coeff,
-                        moe_triton_permute_fusion=permute_fusion)
+                        moe_triton_permute_fusion=permute_fusion, cross_entropy_fusion=cross_entropy_fusion)
     return model.to(device).train()
 
 
@@ -186,6 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--indexer-loss-coeff", type=float, default=1e-3)
     p.add_argument("--moe-permute-fusion", action=argparse.BooleanOptionalAction, default=None,
                    help="ours: the fused MoE token permute (default as in training: on with CUDA and triton)")
+    p.add_argument("--cross-entropy-fusion", choices=("none", "chunked"), default="none",
+                   help="ours: the output layer + cross entropy (--cross-entropy-fusion of the training scripts)")
     p.add_argument("--impls", default="ours,transformers")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -207,7 +211,7 @@ def main(argv=None) -> int:
     platform.initialize_model_parallel()
     builders = {
         "ours": (lambda: build_ours(cfg, dtype, device, args.attn, args.indexer_loss_coeff,
-                                    args.moe_permute_fusion), step_ours),
+                                    args.moe_permute_fusion, args.cross_entropy_fusion), step_ours),
         "transformers": (lambda: build_transformers(cfg, dtype, device), step_transformers),
     }
     results = []

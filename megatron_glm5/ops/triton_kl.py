@@ -234,12 +234,15 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
 
 def indexer_kl_loss_sparse(q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, indices, d_v,
                            token_mask=None, head_sum_reduce=None, attn_lse=None, deterministic=None, config=None,
-                           head_probs=head_summed_probs):
+                           head_probs=head_summed_probs, attn_head_probs=None):
     """Same contract as ``reference.indexer_kl_loss`` with indices given (d_v is the latent / value width), plus
     attn_lse: the sparse forward's log-sum-exp [T, h] for these q, kv, indices and scale (saves a pass).
     head_probs: the target's head sums, a function with ``head_summed_probs``'s signature (another backend's kernel).
+    attn_head_probs: those head sums already computed ([T, K] fp32, this rank's heads: the Triton sparse forward
+    writes them with ``head_probs=``); then no kernel computes them here (head_sum_reduce still applies).
     n_tokens is returned as a 0-dim device tensor (not an int), so that no layer waits for the GPU.
-    deterministic: bitwise reproducible d_k_idx (default: GLM5_TRITON_DETERMINISTIC)."""
+    deterministic: bitwise reproducible d_k_idx (default: GLM5_TRITON_DETERMINISTIC).
+    """
     n_q = q.shape[0]
     n_k = kv.shape[0]
     idx_heads, idx_dim = q_idx.shape[1], q_idx.shape[2]
@@ -252,7 +255,13 @@ def indexer_kl_loss_sparse(q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn
     counted = reference.counted_queries((indices >= 0).any(dim=-1), token_mask)
     n_tokens = counted.sum()  # stays on the device: no host-GPU synchronisation per layer
     with torch.no_grad():
-        head_sums = head_probs(q.detach(), kv.detach(), indices, attn_softmax_scale, d_v, attn_lse=attn_lse)
+        if attn_head_probs is not None:
+            if attn_head_probs.shape != indices.shape:
+                raise ValueError(f"attn_head_probs must be [T, topk] = {tuple(indices.shape)}, got "
+                                 f"{tuple(attn_head_probs.shape)}")
+            head_sums = attn_head_probs.float().contiguous()
+        else:
+            head_sums = head_probs(q.detach(), kv.detach(), indices, attn_softmax_scale, d_v, attn_lse=attn_lse)
         if head_sum_reduce is not None:
             head_sums = head_sum_reduce(head_sums).contiguous()
         kl_tok, d_qi, d_ki, d_w = _indexer_kl(q_idx, k_idx, weights, idx_softmax_scale, indices, head_sums, counted,

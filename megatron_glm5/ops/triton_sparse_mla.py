@@ -22,11 +22,21 @@ the deterministic reduction made the backward 1.7x slower (docs/performance.md, 
 A transposed formulation (scores as [keys, heads], Q and dO only ever B operands) was tried and measured slower on
 the H200 (69-70 vs 98 TFLOP/s at S 8192, and its 32-key tiles did not fit in shared memory): removed.
 
+With ``head_probs`` the forward kernel also writes the sparse-stage indexer KL target, the head sums
+P[t, j] = sum_h softmax_j (``triton_kl``'s ``head_summed_probs``): after the main loop each head's log-sum-exp is
+known, and a second pass over the selected keys (scores only, no PV, the query still in registers) sums the
+normalised probabilities over heads -- the KL then skips its own kernel (``indexer_kl_loss_sparse``'s
+``attn_head_probs``).  Measured on the H200 (docs/performance.md, issue 16) the second pass costs more than the
+separate kernel it replaces (S 4096: forward 4.62 -> 8.60 ms against 3.64 ms for the separate head sums; S 32768:
+35.4 -> 67.9 against 26.8): it saves only a query load and a launch, the keys are gathered and multiplied again
+either way.  Training therefore keeps the separate kernel; the option stays for the benchmark and a later kernel.
+
 Dense mode (indices None) is not a Triton kernel: the backend falls back to the reference for it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Tuple
 
@@ -115,11 +125,11 @@ def _scores(q_lat, q_rope, k_lat, k_rope, IEEE: tl.constexpr):
 
 @triton.jit
 def _fwd_kernel(
-    Q, KV, IDX, OUT, LSE,
-    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt,
+    Q, KV, IDX, OUT, LSE, P,
+    stride_qt, stride_qh, stride_kvt, stride_it, stride_ot, stride_oh, stride_lt, stride_pt,
     n_heads, n_keys, topk, scale_log2,
     DV: tl.constexpr, DR: tl.constexpr, DVS: tl.constexpr, V_SPLIT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, HEAD_PROBS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     vs = tl.program_id(1)
@@ -158,13 +168,28 @@ def _fwd_kernel(
     tl.store(OUT + t * stride_ot + offs_h[:, None] * stride_oh + offs_vs[None, :], out.to(OUT.dtype.element_ty),
              mask=h_ok[:, None])
     if vs == 0:
-        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+        lse2 = m_i + tl.log2(tl.where(has, l_i, 1.0))
+        lse = tl.where(has, lse2 / 1.4426950408889634, float("-inf"))
         tl.store(LSE + t * stride_lt + offs_h, lse, mask=h_ok)
+        if HEAD_PROBS:
+            # the indexer KL target: P[t, j] = sum_h softmax_j, now that each head's lse is known (a second pass
+            # over the keys for the scores only; heads without keys and padded heads add 0)
+            lse2 = tl.where(has & h_ok, lse2, float("inf"))
+            for n0 in range(0, topk, BLOCK_N):
+                slot = n0 + offs_n
+                idx, ok, k_lat, k_rope = _load_selected(IDX + t * stride_it, KV, stride_kvt, slot, topk, n_keys,
+                                                        offs_v, offs_r, DV)
+                s = _scores(q_lat, q_rope, k_lat, k_rope, IEEE)
+                p = tl.where(ok[None, :], tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+                tl.store(P + t * stride_pt + slot, tl.sum(p, axis=0), mask=slot < topk)
 
 
 def sparse_mla_fwd(q, kv, indices, softmax_scale: float, d_v: int, config: Optional[dict] = None,
-                   out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
-    """(out [T, h, d_v] in q's dtype, lse [T, h] fp32); out / lse may be given (contiguous, written in full)."""
+                   out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+                   head_probs: Optional[torch.Tensor] = None):
+    """(out [T, h, d_v] in q's dtype, lse [T, h] fp32); out / lse may be given (contiguous, written in full).
+    head_probs: a contiguous fp32 [T, topk] tensor the kernel fills with the indexer KL target's head sums
+    (``triton_kl.head_summed_probs``'s result, computed here from the forward's own lse)."""
     d_rope = _check(q, kv, indices, d_v)
     cfg = dict(FWD_CONFIG, **(config or {}))
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
@@ -173,13 +198,17 @@ def sparse_mla_fwd(q, kv, indices, softmax_scale: float, d_v: int, config: Optio
     lse = torch.empty(n_q, h, dtype=torch.float32, device=q.device) if lse is None else lse
     if n_q == 0:
         return out, lse
+    if head_probs is not None and (head_probs.shape != indices.shape or head_probs.dtype != torch.float32
+                                   or not head_probs.is_contiguous()):
+        raise ValueError(f"head_probs must be a contiguous fp32 [T, topk] = {tuple(indices.shape)} tensor")
+    p_arg = lse if head_probs is None else head_probs  # an unused pointer without HEAD_PROBS
     v_split = cfg["V_SPLIT"] if d_v % cfg["V_SPLIT"] == 0 else 1
     _fwd_kernel[(n_q, v_split)](
-        q, kv, indices, out, lse,
+        q, kv, indices, out, lse, p_arg,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        h, kv.shape[0], indices.shape[1], float(softmax_scale) * LOG2E,
+        p_arg.stride(0), h, kv.shape[0], indices.shape[1], float(softmax_scale) * LOG2E,
         DV=d_v, DR=d_rope, DVS=d_v // v_split, V_SPLIT=v_split,
-        BLOCK_H=_block_h(h), BLOCK_N=cfg["BLOCK_N"], IEEE=q.dtype == torch.float32,
+        BLOCK_H=_block_h(h), BLOCK_N=cfg["BLOCK_N"], IEEE=q.dtype == torch.float32, HEAD_PROBS=head_probs is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, lse
@@ -349,7 +378,10 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
 
 
 def sparse_mla(q, kv, indices, softmax_scale: float, d_v: int,
-               deterministic: Optional[bool] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+               deterministic: Optional[bool] = None, head_probs: Optional[torch.Tensor] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with autograd (dq, dkv): the Triton forward and backward through the backends' one autograd
-    Function (``base.SparseMLAFunction``); see the module docstring."""
-    return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic, sparse_mla_fwd, sparse_mla_bwd)
+    Function (``base.SparseMLAFunction``); see the module docstring.  head_probs: as ``sparse_mla_fwd``'s (filled
+    by the forward, outside autograd)."""
+    fwd = sparse_mla_fwd if head_probs is None else functools.partial(sparse_mla_fwd, head_probs=head_probs)
+    return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic, fwd, sparse_mla_bwd)

@@ -1,0 +1,258 @@
+"""Issue 16's fusions measured on one GPU, in one process (prints one JSON document):
+
+    python benchmarks/fusions.py [--seqs 4096 32768] [--proxy-seq 4096] [--json out.json]
+
+* ``kl_target``: per layer at S tokens (GLM-5 shapes: 64 heads, d_qk 576, d_v 512, top-k 2048, indexer 32 x 128,
+  bf16; top-k from our Triton indexer on random inputs): the Triton sparse forward alone, the forward writing the KL
+  target's head sums (``head_probs``), the separate head-sum kernel given the forward's lse, and the whole sparse KL
+  (head sums + the fused indexer KL kernel, forward-side gradients) either way.
+* ``cross_entropy``: the output layer + LM cross entropy at --ce-tokens tokens x 6144 hidden x 154,880 vocabulary,
+  forward + backward: megatron-core's unfused path against ``--cross-entropy-fusion chunked``; time and the peak
+  memory above the inputs.
+* ``proxy``: benchmarks/proxy_step.py's model (GLM-5 width, 4 layers, 256 experts, indexer KL on, --attn triton)
+  built once, one training step (forward + backward) with the cross entropy unfused and chunked; median ms and peak
+  memory.
+* ``autotune``: ops/autotune.py's benchmark (the one ``--attn auto`` runs) of the Triton backend, atomic and
+  deterministic, and its own wall time; ranked through ``autotune.rank`` with the cache in --cache-dir.
+Timing: CUDA events, --warmup then the median of --reps; fresh random inputs (never zeros) outside the timed region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+H, DQK, DV, TOPK, HI, DI = 64, 576, 512, 2048, 32, 128
+
+
+def timed(fn, refill, warmup, reps):
+    for _ in range(warmup):
+        refill()
+        fn()
+    times = []
+    for _ in range(reps):
+        refill()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench_kl_target(seq, warmup, reps):
+    from megatron_glm5.ops import triton_indexer, triton_kl, triton_sparse_mla
+
+    dev = torch.device("cuda")
+    bf = torch.bfloat16
+    q = torch.empty(seq, H, DQK, device=dev, dtype=bf)
+    kv = torch.empty(seq, DQK, device=dev, dtype=bf)
+    qi = torch.empty(seq, HI, DI, device=dev, dtype=bf)
+    ki = torch.empty(seq, DI, device=dev, dtype=bf)
+    w = torch.empty(seq, HI, device=dev, dtype=torch.float32)
+
+    def refill():
+        for t in (q, kv, qi, ki):
+            t.normal_()
+        w.uniform_(0.1, 1.0)
+
+    refill()
+    ks = torch.zeros(seq, device=dev, dtype=torch.int64)
+    qe = torch.arange(seq, device=dev, dtype=torch.int64)
+    idx = triton_indexer.indexer_topk(qi, ki, w, TOPK, ks, qe, DI ** -0.5)
+    scale = DQK ** -0.5
+    probs = torch.empty(idx.shape, device=dev, dtype=torch.float32)
+    lse = triton_sparse_mla.sparse_mla_fwd(q, kv, idx, scale, DV)[1]
+    res = {"seq": seq}
+    res["fwd_ms"] = timed(lambda: triton_sparse_mla.sparse_mla_fwd(q, kv, idx, scale, DV), refill, warmup, reps)
+    res["fwd_with_head_probs_ms"] = timed(
+        lambda: triton_sparse_mla.sparse_mla_fwd(q, kv, idx, scale, DV, head_probs=probs), refill, warmup, reps)
+    res["separate_head_probs_ms"] = timed(
+        lambda: triton_kl.head_summed_probs(q, kv, idx, scale, DV, attn_lse=lse), refill, warmup, reps)
+    # agreement of the two head-sum paths on the last inputs
+    triton_sparse_mla.sparse_mla_fwd(q, kv, idx, scale, DV, head_probs=probs)
+    lse = triton_sparse_mla.sparse_mla_fwd(q, kv, idx, scale, DV)[1]
+    sep = triton_kl.head_summed_probs(q, kv, idx, scale, DV, attn_lse=lse)
+    res["head_probs_max_abs_diff"] = float((probs - sep).abs().max())
+
+    qi_g, ki_g, w_g = (t.clone().requires_grad_() for t in (qi, ki, w))
+
+    def kl(head_sums):
+        return lambda: triton_kl.indexer_kl_loss_sparse(qi_g, ki_g, w_g, DI ** -0.5, q, kv, scale, idx, DV,
+                                                        attn_lse=lse, attn_head_probs=head_sums)
+
+    res["kl_separate_ms"] = timed(kl(None), refill, warmup, reps)
+    res["kl_given_head_probs_ms"] = timed(kl(probs), refill, warmup, reps)
+    res["saving_per_layer_ms"] = (res["fwd_ms"] + res["kl_separate_ms"]
+                                  - res["fwd_with_head_probs_ms"] - res["kl_given_head_probs_ms"])
+    del q, kv, qi, ki, w, idx, probs
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench_cross_entropy(tokens, hidden, vocab, warmup, reps):
+    from megatron.core import tensor_parallel
+
+    from megatron_glm5.model.linear_cross_entropy import chunked_linear_cross_entropy
+
+    dev = torch.device("cuda")
+    h = torch.empty(tokens, 1, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    wt = torch.empty(vocab, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens, 1), device=dev)
+
+    def refill():
+        with torch.no_grad():
+            h.normal_()
+            wt.normal_(std=0.02)
+        h.grad = wt.grad = None
+
+    def unfused():
+        logits = torch.nn.functional.linear(h, wt)
+        loss = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        loss.sum().backward()
+        return loss
+
+    def chunked():
+        loss = chunked_linear_cross_entropy(h, wt, labels)
+        loss.sum().backward()
+        return loss
+
+    res = {"tokens": tokens, "hidden": hidden, "vocab": vocab}
+    for name, fn in (("unfused", unfused), ("chunked", chunked)):
+        refill()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = fn()
+        torch.cuda.synchronize()
+        res[f"{name}_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        res[f"{name}_loss_mean"] = float(loss.float().mean())
+        res[f"{name}_ms"] = timed(fn, refill, warmup, reps)
+    # the gradients of both on the same inputs
+    refill()
+    inputs = h.detach().clone(), wt.detach().clone()
+    unfused()
+    g_ref = h.grad.float(), wt.grad.float()
+    with torch.no_grad():
+        h.copy_(inputs[0])
+        wt.copy_(inputs[1])
+    h.grad = wt.grad = None
+    chunked()
+    res["grad_rel_diff"] = [float((a - b.grad.float()).norm() / a.norm()) for a, b in zip(g_ref, (h, wt))]
+    del h, wt, labels
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench_proxy(seq, warmup, reps):
+    import proxy_step
+
+    cfg = proxy_step.proxy_config("glm5", 4, 3)
+    dev = torch.device("cuda")
+    torch.cuda.reset_peak_memory_stats()
+    model = proxy_step.build_ours(cfg, torch.bfloat16, dev, "triton", 1e-3)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    res = {"seq": seq, "variants": []}
+    for ce in ("none", "chunked"):
+        model.config.cross_entropy_fusion = ce
+        times, losses = [], []
+        torch.cuda.reset_peak_memory_stats()
+        for i in range(warmup + reps):
+            ids = torch.randint(0, cfg.vocab_size, (1, seq + 1), generator=gen).to(dev)
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            loss = proxy_step.step_ours(model, ids)
+            b.record()
+            torch.cuda.synchronize()
+            losses.append(float(loss))
+            if i >= warmup:
+                times.append(a.elapsed_time(b))
+            for p in model.parameters():
+                p.grad = None
+        res["variants"].append(dict(cross_entropy_fusion=ce, ms=statistics.median(times),
+                                    peak_gib=torch.cuda.max_memory_allocated() / 2**30, losses=losses))
+    del model
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench_autotune(cache_dir):
+    from megatron_glm5.ops import autotune
+    from megatron_glm5.ops.triton_backend import TritonBackend
+
+    class Named(TritonBackend):
+        def __init__(self, name, deterministic):
+            super().__init__(deterministic=deterministic)
+            self.name = name
+
+    shape = autotune.AttnShape(heads=H, d_qk=DQK, d_v=DV, topk=TOPK, index_heads=HI, index_dim=DI)
+    cache = Path(cache_dir) / "attn_auto.json"
+    cands = [Named("triton-deterministic", True), Named("triton", False)]
+    t0 = time.perf_counter()
+    order, ms = autotune.rank(cands, shape, cache_path=cache)
+    first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    order2, _ = autotune.rank(cands, shape, cache_path=cache)
+    cached_s = time.perf_counter() - t0
+    return {"shape": shape.bucket(), "ms": ms, "order": [b.name for b in order],
+            "order_from_cache": [b.name for b in order2], "benchmark_wall_s": first_s, "cached_wall_s": cached_s,
+            "cache_key": autotune.cache_key(shape)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", type=int, nargs="*", default=[4096, 32768])
+    p.add_argument("--proxy-seq", type=int, default=4096, help="0: no proxy step")
+    p.add_argument("--ce-tokens", type=int, default=4096)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--parts", default="kl_target,cross_entropy,autotune,proxy")
+    p.add_argument("--cache-dir", default="/tmp/megatron_glm5_attn_auto")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    from megatron_glm5 import platform
+
+    platform.initialize_model_parallel()
+    parts = args.parts.split(",")
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+           "date": time.strftime("%Y-%m-%d")}
+    try:
+        import triton
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if "kl_target" in parts:
+        out["kl_target"] = [bench_kl_target(s, args.warmup, args.reps) for s in args.seqs]
+        print(json.dumps(out["kl_target"]), flush=True)
+    if "cross_entropy" in parts:
+        out["cross_entropy"] = bench_cross_entropy(args.ce_tokens, 6144, 154880, args.warmup, args.reps)
+        print(json.dumps(out["cross_entropy"]), flush=True)
+    if "autotune" in parts:
+        out["autotune"] = bench_autotune(args.cache_dir)
+        print(json.dumps(out["autotune"]), flush=True)
+    if "proxy" in parts and args.proxy_seq:
+        out["proxy"] = bench_proxy(args.proxy_seq, args.warmup, args.reps)
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
