@@ -8,7 +8,6 @@ flags in one line.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from training_helpers import check_ok, read_metrics, run_entries, run_entry, series
 
@@ -101,3 +100,30 @@ def test_lora_runs_resume_bitwise_and_save_adapters_only(tmp_path):
     common = load_common_state_dict(str(ckpt))
     record = common["glm5_lora"]
     assert record["lora"]["rank"] == 4 and record["base"]["model_fingerprint"] == common["glm5"]["model_fingerprint"]
+
+
+def test_planner_lora_terms_hand_computed_bytes():
+    """GLM-5.3 sizes, rank 16: a frozen FP8 base keeps 1 byte per element + an fp32 scale per 128x128 block, no
+    gradient and no optimizer state; the adapters have bf16 weights, fp32 gradients, 12 bytes of optimizer state."""
+    from megatron_glm5.config import GLM5Config
+    from megatron_glm5.lora.config import LoRAConfig
+    from megatron_glm5.planning.inventory import Tensor
+    from megatron_glm5.planning.lora_terms import adapter_elements, lora_static_memory
+
+    cfg = GLM5Config.from_preset("glm5.3")
+    q_down = "decoder.layers.0.self_attention.linear_q_down_proj.weight"
+    assert adapter_elements(cfg, q_down, ["q_a"], 16) == 16 * (6144 + 2048)  # 131072
+    assert adapter_elements(cfg, "decoder.layers.0.self_attention.linear_proj.weight", ["o"], 16, tp=2) == 229376
+    assert adapter_elements(cfg, "decoder.layers.3.mlp.experts.weight1", ["experts_gate_up"], 16, ep=8) == 5242880
+    assert adapter_elements(cfg, q_down, ["o"], 16) == 0
+    assert adapter_elements(cfg, "mtp.layers.0.mtp_model_layer.self_attention.linear_proj.weight", ["o"], 16) == 0
+    tensors = [Tensor(q_down, 6144 * 2048, "dense"), Tensor("decoder.layers.0.input_layernorm.weight", 6144, "dense"),
+               Tensor("decoder.layers.3.mlp.experts.weight1", 256 * 2 * 2048 * 6144, "experts", expert=True)]
+    lora = LoRAConfig(rank=16, alpha=32.0, dropout=0.0, targets=("experts_gate_up", "q_a"))
+    s = lora_static_memory(cfg, tensors, lora, tp=1, ep=1, dtype_bytes=2, grad_bytes=4, fp8=True, dense_shards=1,
+                           expert_shards=1, distributed_optimizer=True)
+    # q_down 12582912 + 3072 scales; norm 6144 x 2; experts 6442450944 + 1572864 scales; adapters 42074112 x 2
+    assert s.weight_bytes == 6_540_770_304
+    assert s.grad_bytes == 168_296_448  # 42074112 adapter elements x 4
+    assert s.optimizer_main_bytes + s.optimizer_moment_bytes == 504_889_344  # x 12
+    assert s.optimizer_expert_elements == 41_943_040
