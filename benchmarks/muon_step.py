@@ -31,14 +31,14 @@ VARIANTS = {"adam": ["--optimizer", "adam"], "muon": ["--optimizer", "muon"],
 
 
 def _state_bytes(optimizer) -> dict:
-    from megatron_glm5.training.optim import _leaf_optimizers
+    from megatron_glm5.training.muon_setup import leaf_optimizers
 
     model_storages = set()
-    for opt in _leaf_optimizers(optimizer):
+    for opt in leaf_optimizers(optimizer):
         for group in getattr(opt, "float16_groups", []):
             model_storages.update(p.untyped_storage().data_ptr() for p in group)
     state = main = 0
-    for opt in _leaf_optimizers(optimizer):
+    for opt in leaf_optimizers(optimizer):
         inner = opt.optimizer
         for group in inner.param_groups:
             for p in group["params"]:

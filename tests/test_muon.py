@@ -58,20 +58,27 @@ def _build(extra=()):
 
 def _muon_params(optimizer):
     from megatron_glm5.training.muon import GLM5Muon
-    from megatron_glm5.training.optim import _leaf_optimizers
+    from megatron_glm5.training.muon_setup import leaf_optimizers
 
     muon, adam = set(), set()
-    for opt in _leaf_optimizers(optimizer):
+    for opt in leaf_optimizers(optimizer):
         for group in opt.optimizer.param_groups:
             (muon if isinstance(opt.optimizer, GLM5Muon) else adam).update(id(p) for p in group["params"])
     return muon, adam
 
 
-def test_per_head_update_equals_the_reference():
-    args, chunks, optimizer = _build()
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("bf16", [False, pytest.param(True, marks=[pytest.mark.gpu, GPU])], ids=["fp32", "bf16"])
+def test_per_head_update_equals_the_reference(bf16):
+    """bf16 (GPU): megatron-core steps fp32 main copies of the bf16 weights; the split must reach them too."""
+    args, chunks, optimizer = _build(["--bf16"] if bf16 else [])
     cfg = chunks[0].config
     named = dict(chunks[0].module.named_parameters())
-    muon, adam = _muon_params(optimizer)
+    muon_ids, adam_ids = _muon_params(optimizer)
+    main = {id(getattr(p, "main_param", p)): id(p) for p in named.values()}  # optimizer's tensor -> model's
+    muon, adam = {main[i] for i in muon_ids}, {main[i] for i in adam_ids}
     expect_adam = {n for n, p in named.items()
                    if p.dim() == 1 or "embedding" in n or n.startswith("output_layer")}
     assert {n for n, p in named.items() if id(p) in adam} == expect_adam
@@ -79,8 +86,9 @@ def test_per_head_update_equals_the_reference():
     assert any(n.endswith("experts.weight1") for n in named if id(named[n]) in muon)
 
     gen = torch.Generator().manual_seed(0)
-    before = {n: p.detach().clone() for n, p in named.items()}
-    grads = {n: torch.randn(p.shape, generator=gen) for n, p in named.items()}
+    weights = {n: getattr(p, "main_param", p) for n, p in named.items()}  # fp32 (bf16: the main copies)
+    before = {n: w.detach().clone() for n, w in weights.items()}
+    grads = {n: torch.randn(p.shape, generator=gen).to(p.device) for n, p in named.items()}
     for n, p in named.items():
         p.main_grad.copy_(grads[n])
     for g in optimizer.param_groups:
@@ -114,12 +122,12 @@ def test_per_head_update_equals_the_reference():
             ref = _whole(g)
         # the first step's Nesterov momentum is a multiple of the gradient: Newton-Schulz normalises it away;
         # updates are up to ~0.1: 1e-5 is 1e-4 of that (fp32 Newton-Schulz, batched vs one matrix at a time)
-        torch.testing.assert_close(p.detach() - before[n], -LR * ref, rtol=1e-4, atol=1e-5,
+        torch.testing.assert_close(weights[n].detach() - before[n], -LR * ref, rtol=1e-4, atol=1e-5,
                                    msg=lambda m, n=n: f"{n}: {m}")
     assert heads >= 4 * 3  # every layer's q_up, kv_up and output projection were split
     # a split block is not the whole-matrix orthogonalisation (the check above can fail)
     n = next(n for n in named if n.endswith("linear_kv_up_proj.weight"))
-    assert not torch.allclose(-LR * _whole(grads[n]), named[n].detach() - before[n], atol=1e-4)
+    assert not torch.allclose(-LR * _whole(grads[n]), weights[n].detach() - before[n], atol=1e-4)
 
 
 def test_no_split_heads_orthogonalises_whole_matrices():

@@ -71,6 +71,15 @@ def _registered(args):
         mcore_opt.HAVE_EMERGING_OPTIMIZERS = saved[1]
 
 
+def leaf_optimizers(optimizer):
+    """The megatron-core optimizers a (possibly nested: Muon's layer-wise one) ChainedOptimizer holds."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "chained_optimizers"):
+            yield from leaf_optimizers(opt)
+        else:
+            yield opt
+
+
 def init_torch_state(inner) -> None:
     """Give every parameter of a torch optimizer (GLM5Muon or torch's Adam) its zero state, as a checkpoint load
     needs it before the first step."""
@@ -142,6 +151,16 @@ def _padded_allgather_params(layer_wise) -> None:
                 p.data.copy_(new)
 
 
+def _tag_main_params(optimizer) -> None:
+    """megatron-core's bf16 optimizers step fp32 copies of the parameters, which carry the tensor-parallel
+    attributes but not ours: give each copy its parameter's split (and megatron-core's expert_tp tag)."""
+    for opt in leaf_optimizers(optimizer):
+        for params, mains in zip(getattr(opt, "float16_groups", []), getattr(opt, "fp32_from_float16_groups", [])):
+            for p, main in zip(params, mains):
+                main.muon_split = getattr(p, "muon_split", None)
+                main.expert_tp = getattr(p, "expert_tp", False)
+
+
 def build(args, cfg, model_chunks):
     """megatron-core's Muon chain for ``cfg`` (an OptimizerConfig with optimizer="muon")."""
     from megatron.core.optimizer import get_megatron_optimizer
@@ -161,4 +180,5 @@ def build(args, cfg, model_chunks):
             _wrap_fp32(opt, cfg)
         if opt.dp_cp is not None and torch.distributed.get_backend(opt.dp_cp) == "gloo":
             opt.allgather_params = functools.partial(_padded_allgather_params, opt)
+    _tag_main_params(optimizer)
     return optimizer
