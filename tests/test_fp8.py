@@ -370,3 +370,74 @@ def test_bad_input_lines(release, tmp_path, monkeypatch):
         flags.check(args, cfg, cuda=False)
     with pytest.raises(ConversionError, match="--dtype fp8 is for the export"):
         convert_hf_to_megatron(str(root / "release"), str(tmp_path / "x"), dtype="fp8", progress=False)
+
+
+# ============================================================================ tensor and expert parallel
+def _layout_worker(ckpt: str, out_dir: str) -> None:
+    """torchrun worker: the --keep-fp8 checkpoint at TP2 (shards of whole blocks, small weights held whole) and at
+    EP2 (experts' FP8 tensors and scales split by expert); writes the full logits of a prompt."""
+    import torch.distributed as dist
+
+    import megatron_glm5  # noqa: F401  (CPU shims before megatron-core is imported)
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from megatron_glm5 import platform
+    from megatron_glm5.config import GLM5Config
+    from megatron_glm5.model.model import build_model
+
+    cfg = GLM5Config.from_preset("tiny")
+    ids = torch.load(os.path.join(out_dir, "ids.pt"))
+    for name, tp, ep in (("tp2", 2, 1), ("ep2", 1, 2)):
+        platform.initialize_model_parallel(tp=tp, ep=ep, etp=1)
+        model = build_model(cfg, mtp=True, base_precision="fp8", perform_initialization=False,
+                            tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                            expert_tensor_parallel_size=1, sequence_parallel=False)
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt), strict=False)
+        with torch.no_grad():
+            logits = model.eval()(ids)
+        if logits.shape[-1] != cfg.vocab_size:  # vocab-parallel output
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+            logits = torch.cat(parts, -1)
+        if dist.get_rank() == 0:
+            torch.save(logits, os.path.join(out_dir, f"logits_{name}.pt"))
+        print(f"{name} rank {dist.get_rank()} done", flush=True)
+
+
+@pytest.mark.distributed
+def test_fp8_base_at_tp2_and_ep2_equals_one_process(release, tmp_path):
+    import subprocess
+    import sys
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_glm5 import platform
+    from megatron_glm5.config import GLM5Config
+    from megatron_glm5.model.model import build_model
+
+    root, _ = release
+    ckpt = str(root / "ckpt8")
+    platform.initialize_model_parallel()
+    model = build_model(GLM5Config.from_preset("tiny"), mtp=True, base_precision="fp8", perform_initialization=False)
+    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), ckpt), strict=False)
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(6))
+    torch.save(ids, tmp_path / "ids.pt")
+    with torch.no_grad():
+        expected = model.eval()(ids)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.abspath(__file__), ckpt, str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for name in ("tp2", "ep2"):
+        got = torch.load(tmp_path / f"logits_{name}.pt")
+        assert ((got - expected).norm() / expected.norm()).item() < 1e-5, name
+
+
+if __name__ == "__main__":  # torchrun worker of test_fp8_base_at_tp2_and_ep2_equals_one_process
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    import sys
+
+    _layout_worker(sys.argv[1], sys.argv[2])

@@ -33,19 +33,40 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
                         "the GLM-5-FP8 release stores them (train LoRA adapters on it, --lora-rank; docs/fp8.md)")
 
 
+HOLD_WHOLE_LIMIT = 1 << 24  # elements: a linear this small whose shard does not cut on the blocks is held whole
+
+
+def shard_cuts(width: int, size: int) -> bool:
+    """Whether splitting ``width`` rows/columns over ``size`` ranks cuts on the 128-wide scale blocks."""
+    return size == 1 or (width % size == 0 and (width // size) % BLOCK == 0)
+
+
+def held_whole(width: int, numel: int, size: int) -> bool:
+    """The rule for a tensor-parallel FP8 linear whose shard does not cut on the blocks: small ones (kv_a_proj's
+    576 rows, test models) are held whole on every rank; large ones are refused (:func:`_tp_split_problem`)."""
+    return not shard_cuts(width, size) and numel <= HOLD_WHOLE_LIMIT
+
+
 def _tp_split_problem(cfg, tp: int, etp: int) -> Optional[str]:
-    """The first FP8 matrix whose tensor-parallel split does not cut on its 128-wide scale blocks (row-parallel
-    inputs and expert shards must; column-parallel outputs that do not are held whole on every rank)."""
-    checks = [("self_attn.o_proj", cfg.num_attention_heads * cfg.v_head_dim, tp, "--tp"),
-              ("mlp.down_proj (dense layers)", cfg.intermediate_size, tp, "--tp"),
-              ("mlp.shared_experts.down_proj", cfg.moe_intermediate_size * max(cfg.n_shared_experts or 0, 1), tp,
-               "--tp"),
-              ("mlp.experts.*", cfg.moe_intermediate_size, etp, "--etp")]
-    for name, width, size, flag in checks:
-        if size > 1 and (width % size or (width // size) % BLOCK):
-            return (f"--base-precision fp8: {flag} {size} splits {name}'s {width} input columns into "
+    """The first FP8 matrix whose tensor-parallel split does not cut on its 128-wide scale blocks and is too large
+    to be held whole on every rank (expert shards always must cut)."""
+    h = cfg.hidden_size
+    shared = cfg.moe_intermediate_size * max(cfg.n_shared_experts or 0, 1)
+    heads = cfg.num_attention_heads
+    checks = [("self_attn.q_b_proj", heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), cfg.q_lora_rank, tp,
+               "--tp", "rows"),
+              ("self_attn.kv_b_proj", heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, tp, "--tp",
+               "rows"),
+              ("self_attn.o_proj", heads * cfg.v_head_dim, h, tp, "--tp", "input columns"),
+              ("mlp.gate_proj/up_proj (dense layers)", cfg.intermediate_size, 2 * h, tp, "--tp", "rows"),
+              ("mlp.down_proj (dense layers)", cfg.intermediate_size, h, tp, "--tp", "input columns"),
+              ("mlp.shared_experts.down_proj", shared, h, tp, "--tp", "input columns"),
+              ("mlp.experts.*", cfg.moe_intermediate_size, 0, etp, "--etp", "rows")]
+    for name, width, other, size, flag, what in checks:
+        if not shard_cuts(width, size) and not (other and held_whole(width, width * other, size)):
+            return (f"--base-precision fp8: {flag} {size} splits {name}'s {width} {what} into "
                     f"{width // size if width % size == 0 else width / size:g} per rank, not a multiple of the "
-                    f"FP8 release's {BLOCK}-column scale blocks; use a {flag} that does")
+                    f"FP8 release's {BLOCK}-wide scale blocks; use a {flag} that does")
     return None
 
 

@@ -11,10 +11,11 @@ No bf16 copy of a weight is allocated at build: the parent's constructor runs wi
 (and no initialisation), then the FP8 tensors are allocated where the parent would have put its weight.
 
 Tensor parallelism: a rank holds its shard of the weight with the scale blocks of that shard, so a shard must cut
-on 128-row (column-parallel) or 128-column (row-parallel) boundaries. A column-parallel linear whose shard does not
-(``kv_a_proj_with_mqa``'s 576 rows at TP 2/4/8, tiny test models) holds the whole weight on every rank instead and
-returns its own rows of the output (such weights are small); a row-parallel linear or an expert tensor that does
-not cut is refused (:class:`FP8LayoutError`).
+on 128-row (column-parallel) or 128-column (row-parallel) boundaries. A small linear whose shard does not
+(``kv_a_proj_with_mqa``'s 576 rows at TP 2/4/8, tiny test models; fp8/flags.py ``held_whole``) holds the whole
+weight on every rank instead: column-parallel, it returns its own rows of the output; row-parallel, it multiplies
+its input columns (zeros elsewhere). A large linear or an expert tensor that does not cut is refused
+(:class:`FP8LayoutError`; the flags check says it first, in one line).
 
 Forward goes through fp8/matmul.py: the input gradient only; ``local_linear(x)`` is the shard's product without
 communication (model/mla.py's projections call it), ``dense_weight()`` the dequantised shard (the absorbed
@@ -27,12 +28,14 @@ import math
 from typing import List, Tuple
 
 import torch
+import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, \
     set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region, \
     gather_from_sequence_parallel_region
 
 from megatron_glm5.errors import UserError
+from megatron_glm5.fp8.flags import held_whole, shard_cuts
 from megatron_glm5.fp8.blocks import BLOCK, FP8_DTYPE, dequantize_blocks, quantize_blocks
 from megatron_glm5.fp8.matmul import fp8_grouped_linear, fp8_linear
 from megatron_glm5.model.moe import GLM5GroupedExperts
@@ -102,14 +105,12 @@ class _FP8Linear:
         groups = self.ROW_GROUPS if dim == 0 else 1
         part = full_shape[dim] // groups
         local = part // tp
-        self.fp8_replicated = False
-        if tp > 1 and local % BLOCK:
-            if dim != 0:
-                raise FP8LayoutError(
-                    f"--base-precision fp8: {what} [{full_shape[0]}, {full_shape[1]}] splits its {full_shape[1]} "
-                    f"columns over --tp {tp} into {local}, not a multiple of the FP8 release's {BLOCK}-column scale "
-                    f"blocks; use a --tp that divides {full_shape[1]} into multiples of {BLOCK}")
-            self.fp8_replicated = True  # every rank holds the whole (small) weight and returns its own rows
+        self.fp8_replicated = held_whole(part, full_shape[0] * full_shape[1], tp)
+        if not self.fp8_replicated and not shard_cuts(part, tp):
+            raise FP8LayoutError(
+                f"--base-precision fp8: {what} [{full_shape[0]}, {full_shape[1]}] splits its {part} "
+                f"{'rows' if dim == 0 else 'columns'} over --tp {tp} into {local}, not a multiple of the FP8 "
+                f"release's {BLOCK}-wide scale blocks; use a --tp that does")
         self.tp_size_fp8, self.tp_rank_fp8 = tp, rank
         shape = list(full_shape)
         if not self.fp8_replicated:
@@ -143,6 +144,10 @@ class _FP8Linear:
 
     def local_linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T with this rank's shard, no communication (what a bf16 shard's F.linear(x, weight) gives)."""
+        if self.fp8_replicated and self.PARTITION_DIM == 1:  # this rank's input columns, zeros elsewhere
+            k, r = self.weight.shape[1], self.tp_rank_fp8
+            local = k // self.tp_size_fp8
+            return self._held_output(F.pad(x, (r * local, k - (r + 1) * local)))
         y = self._held_output(x)
         if not self.fp8_replicated:
             return y
@@ -158,6 +163,9 @@ class _FP8Linear:
         w = torch.cat([dequantize_blocks(q, s, dtype) for q, s in groups], dim=0)
         if not self.fp8_replicated:
             return w
+        if self.PARTITION_DIM == 1:
+            local = w.shape[1] // self.tp_size_fp8
+            return w[:, self.tp_rank_fp8 * local:(self.tp_rank_fp8 + 1) * local]
         n = w.shape[0] // self.ROW_GROUPS
         local = n // self.tp_size_fp8
         r = self.tp_rank_fp8
