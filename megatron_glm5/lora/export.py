@@ -214,3 +214,8 @@ def merging_reader(reader, adapter_dir: str, base_cfg):
         raise LoRAExportError(f"--merge-lora {adapter_dir}: these adapters were trained on the base with model "
                               f"fingerprint {saved}, but --load has {mine}; merge them into their own base")
     return MergingReader(reader, read_adapters(adapters_reader), LoRAConfig.from_record(record["lora"]))
+
+
+def merge_into(adapter_dir: str):
+    """The exporter's ``wrap_reader`` for --merge-lora ADAPTERS (conversion/convert.py convert_megatron_to_hf)."""
+    return lambda reader, base_cfg: merging_reader(reader, adapter_dir, base_cfg)
