@@ -2,9 +2,9 @@
 
 The rules (read from megatron-core, checked against real allocations by tests/test_planner.py):
 
-* DistributedDataParallel (configured in ``training/loop.py`` ``wrap_ddp``: ``grad_reduce_in_fp32=True``) keeps one
-  contiguous gradient buffer per (parameter dtype, expert-parallel or not) and model chunk, **always fp32**
-  whatever the parameter dtype.  Parameters are laid out in reverse registration order, split into buckets of
+* DistributedDataParallel (configured in ``training/loop.py`` ``wrap_ddp``) keeps one contiguous gradient buffer per
+  (parameter dtype, expert-parallel or not) and model chunk, fp32 whatever the parameter dtype unless
+  ``--grad-reduce-dtype bf16`` (``grad_reduce_in_fp32=False``: the parameters' dtype; training/memory_options.py).  Parameters are laid out in reverse registration order, split into buckets of
   ``max(40M, 1M x DP)`` elements when --overlap-grad-reduce is on (only on pipeline rank 0's first chunk: megatron
   turns bucketing off elsewhere), one bucket otherwise; a shared embedding gets a bucket of its own.
 * With --use-distributed-optimizer (``DistributedOptimizer._compute_per_buffer_param_layout``) each parameter starts
@@ -15,6 +15,12 @@ The rules (read from megatron-core, checked against real allocations by tests/te
 * Optimizer state per owned element: Adam's two fp32 moments (8 bytes), plus an fp32 main copy (4 bytes) when the
   parameters are bf16 (megatron-core's mixed-precision optimizers; with fp32 parameters the optimizer steps them
   in place).  Without the distributed optimizer every rank owns all its elements.
+* ``--optimizer-cpu-offload`` (megatron-core's HybridDeviceOptimizer, one per chained optimizer): the first fraction
+  F of each optimizer's owned elements keep their fp32 master copy and moments in host memory (with a pinned fp32
+  copy of their gradient: 16 bytes per element); the rest keep them
+  on the GPU (12 bytes, the master copy then HybridDeviceOptimizer's).  megatron-core offloads whole parameter
+  shards until F is reached, so the split here (F x the elements) is exact at F = 0 or 1 and within one
+  parameter shard otherwise.
 """
 from __future__ import annotations
 
@@ -24,10 +30,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from megatron_glm5.planning.inventory import KINDS, Tensor
+from megatron_glm5.training import muon_flags
 
-GRAD_BYTES = 4  # grad_reduce_in_fp32=True (training/loop.py wrap_ddp)
+GRAD_BYTES = 4  # the default, grad_reduce_in_fp32=True (training/memory_options.py grad_bytes: 2 with bf16 reduction)
 MOMENT_BYTES = 8  # Adam exp_avg + exp_avg_sq, fp32
 MAIN_PARAM_BYTES = 4  # fp32 main copy of a bf16 parameter
+HOST_GRAD_BYTES = 4  # --optimizer-cpu-offload: the pinned fp32 host copy of each offloaded element's gradient
 
 
 def _ceil(x: int, m: int) -> int:
@@ -133,6 +141,20 @@ class StaticMemory:
     optimizer_elements: Dict[str, int]  # elements this rank's optimizer steps, by kind
     optimizer_expert_elements: int  # of which in expert-parallel buffers (megatron-core's second, chained optimizer)
     buckets: List[Tuple[str, int]]  # (buffer, bucket elements) for the data-parallel collectives
+    grad_dtype_bytes: int = GRAD_BYTES
+    offload_fraction: float = 0.0  # --optimizer-cpu-offload: the share of each optimizer's elements on the host
+    host_optimizer_bytes: int = 0  # their fp32 master copies, moments and gradient copies, in pinned host memory
+
+    def gpu_optimizer_elements(self) -> Tuple[int, int]:
+        """(dense, expert) elements whose optimizer state and step stay on the GPU."""
+        expert = self.optimizer_expert_elements
+        dense = sum(self.optimizer_elements.values()) - expert
+        keep = 1.0 - self.offload_fraction
+        return int(round(dense * keep)), int(round(expert * keep))
+
+    @property
+    def offloaded_elements(self) -> int:
+        return sum(self.optimizer_elements.values()) - sum(self.gpu_optimizer_elements())
 
     @property
     def optimizer_bytes(self) -> int:
@@ -140,13 +162,19 @@ class StaticMemory:
 
 
 def static_memory(buffers: Sequence[Buffer], *, dense_index: int, expert_index: int, bf16: bool,
-                  distributed_optimizer: bool) -> StaticMemory:
+                  distributed_optimizer: bool, grad_bytes: int = GRAD_BYTES,
+                  offload_fraction: float = 0.0, optimizer: str = "adam") -> StaticMemory:
     """Weights, gradients and optimizer state of the rank holding ``buffers`` (rank_buffers) that is shard
-    ``dense_index`` of its dense data-parallel group and ``expert_index`` of its expert data-parallel group."""
+    ``dense_index`` of its dense data-parallel group and ``expert_index`` of its expert data-parallel group.
+    ``grad_bytes``: per element of the gradient buffers; ``offload_fraction``: of the optimizer state on the host
+    (training/memory_options.py reads both from the flags); ``optimizer`` "muon": its matrices keep one fp32
+    momentum buffer instead of Adam's two moments (training/muon_flags.py takes_muon; under the distributed form the
+    layer-wise optimizer owns whole parameters: each buffer's owned elements are taken at its Muon share)."""
     dtype_bytes = 2 if bf16 else 4
     params = {k: 0 for k in KINDS}
     owned_total = {k: 0 for k in KINDS}
     owned_expert = 0
+    owned_muon = 0.0  # --optimizer muon: owned elements whose state is one momentum buffer
     weight = param = grad = 0
     buckets: List[Tuple[str, int]] = []
     for b in buffers:
@@ -156,7 +184,7 @@ def static_memory(buffers: Sequence[Buffer], *, dense_index: int, expert_index: 
             n += t.numel
         param += n * dtype_bytes
         weight += (b.layout.numel if distributed_optimizer else n) * dtype_bytes
-        grad += b.layout.numel * GRAD_BYTES
+        grad += b.layout.numel * grad_bytes
         if distributed_optimizer:
             owned = owned_elements(b.layout, b.shards, expert_index if b.expert else dense_index)
         else:
@@ -167,9 +195,18 @@ def static_memory(buffers: Sequence[Buffer], *, dense_index: int, expert_index: 
             owned_total[k] += v
         if b.expert:
             owned_expert += sum(owned.values())
+        if optimizer == "muon" and n:
+            owned_muon += sum(owned.values()) * sum(t.numel for t, _, _ in b.layout.params
+                                                    if muon_flags.takes_muon(t.name, t.kind)) / n
         buckets += [("experts" if b.expert else "dense", e - s) for s, e in b.layout.buckets]
-    n_owned = sum(owned_total.values())
-    return StaticMemory(params=params, weight_bytes=weight, param_bytes=param, grad_bytes=grad,
-                        optimizer_main_bytes=n_owned * MAIN_PARAM_BYTES if bf16 else 0,
-                        optimizer_moment_bytes=n_owned * MOMENT_BYTES, optimizer_elements=owned_total,
-                        optimizer_expert_elements=owned_expert, buckets=buckets)
+    st = StaticMemory(params=params, weight_bytes=weight, param_bytes=param, grad_bytes=grad,
+                      optimizer_main_bytes=0, optimizer_moment_bytes=0, optimizer_elements=owned_total,
+                      optimizer_expert_elements=owned_expert, buckets=buckets, grad_dtype_bytes=grad_bytes,
+                      offload_fraction=offload_fraction)
+    main = MAIN_PARAM_BYTES if bf16 else 0
+    on_gpu = sum(st.gpu_optimizer_elements())
+    st.optimizer_main_bytes = on_gpu * main
+    st.optimizer_moment_bytes = (on_gpu * MOMENT_BYTES
+                                 - int(round(owned_muon)) * (MOMENT_BYTES - muon_flags.MUON_STATE_BYTES))
+    st.host_optimizer_bytes = st.offloaded_elements * (main + MOMENT_BYTES + HOST_GRAD_BYTES)
+    return st

@@ -12,6 +12,8 @@ AdamW (foreach), whose ``_foreach_sqrt(exp_avg_sq)`` allocates an fp32 copy of e
 at once; the dense and the expert parameters are two chained optimizers, so the transient is 4 bytes x the larger
 of the two on this rank.  The peak is the weights, gradients and optimizer state plus the larger of the
 forward/backward dynamic memory and that transient (a fused Adam, with TE or Apex, has no such transient).
+The memory options (training/memory_options.py) change the static part (buffers.py) and this transient
+(``optimizer_step_transient_bytes``).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Dict
 
 from megatron_glm5.planning import activations as act
+from megatron_glm5.planning import lora_terms
 from megatron_glm5.planning.buffers import StaticMemory
 
 GIB = 1024 ** 3
@@ -35,6 +38,18 @@ _SELECTIVE_DROPS = {
     "shared_experts": ("shared expert fc1 out, act out, out",),
     "layernorm": ("input_layernorm in/out", "pre_mlp_layernorm in/out"),
 }
+
+
+def optimizer_step_transient_bytes(s: StaticMemory) -> int:
+    """The GPU temporaries of optimizer.step(): torch AdamW's foreach fp32 copy of the larger of the dense and the
+    expert optimizer's GPU-resident elements; with bf16 gradient buffers also the fp32 gradients megatron-core
+    hands the optimizer (``main_grad.float()`` of every GPU-resident owned element, all optimizers prepared before
+    any steps).  Offloaded elements (--optimizer-cpu-offload) step in host memory."""
+    dense, expert = s.gpu_optimizer_elements()
+    transient = 4 * max(dense, expert)
+    if s.grad_dtype_bytes < 4:
+        transient += 4 * (dense + expert)
+    return transient
 
 
 def micro_batches_in_flight(pp: int, pp_rank: int, vpp: int, num_microbatches: int) -> float:
@@ -119,9 +134,8 @@ def rank_memory(args, layout, chunks, pp_rank: int, static: StaticMemory) -> Ran
     if any(c.post_process for c in chunks):
         loss = act.loss_bytes_per_token(cfg, tp, 1 + (args.mtp_steps if mtp else 0)) * tokens
     working = max(recomputed + dispatch, loss)
-    s = static
-    expert = s.optimizer_expert_elements
-    step_transient = 4 * max(sum(s.optimizer_elements.values()) - expert, expert)
+    s = lora_terms.for_rank(args, layout, chunks, static)  # a LoRA run's frozen base (lora_terms.py)
+    step_transient = optimizer_step_transient_bytes(s)
     m = RankMemory(static=s, activation_bytes=int(activation), working_bytes=int(working), loss_bytes=int(loss),
                    optimizer_step_bytes=int(step_transient), dispatch_bytes=int(dispatch),
                    context_bytes=CONTEXT_BYTES, margin_bytes=0, in_flight=in_flight)

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 
 from megatron_glm5.planning import calibration as calib
 from megatron_glm5.planning.buffers import rank_buffers, static_memory
+from megatron_glm5.training import memory_options
 from megatron_glm5.planning.inventory import total_parameters
 from megatron_glm5.planning.layout import Layout, build_layout
 from megatron_glm5.planning.memory import GIB, RankMemory, rank_memory
@@ -35,7 +36,8 @@ class RankPlan:
         return {"rank": self.rank, "pp_rank": self.pp_rank, "dense_shard": self.dense_shard,
                 "expert_shard": self.expert_shard, "params": dict(s.params),
                 "param_bytes": s.param_bytes, "weight_bytes": s.weight_bytes, "grad_bytes": s.grad_bytes,
-                "optimizer_bytes": s.optimizer_bytes, "memory_bytes": self.memory.breakdown(),
+                "optimizer_bytes": s.optimizer_bytes, "host_optimizer_bytes": s.host_optimizer_bytes,
+                "memory_bytes": self.memory.breakdown(),
                 "tensor_memory_gib": self.memory.tensor_bytes / GIB, "peak_memory_gib": self.memory.total_bytes / GIB}
 
 
@@ -62,8 +64,17 @@ class Plan:
         return self.worst.memory.total_bytes / GIB
 
     @property
+    def host_memory_gib(self) -> float:
+        """The largest host memory one rank's offloaded optimizer state takes (--optimizer-cpu-offload; else 0)."""
+        return max(r.memory.static.host_optimizer_bytes for r in self.ranks) / GIB
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_memory_gib <= self.gpu.host_gib_per_gpu
+
+    @property
     def fits(self) -> bool:
-        return self.peak_memory_gib <= self.gpu.memory_gib
+        return self.peak_memory_gib <= self.gpu.memory_gib and self.host_fits
 
     def stage_worst(self, pp_rank: int) -> RankPlan:
         return max((r for r in self.ranks if r.pp_rank == pp_rank), key=lambda r: r.memory.total_bytes)
@@ -80,6 +91,7 @@ class Plan:
             "total_params": self.total_params,
             "peak_memory_gib": self.peak_memory_gib,
             "fits": self.fits,
+            "host_memory_gib": self.host_memory_gib, "host_fits": self.host_fits,
             "margin_gib": self.gpu.memory_gib - self.peak_memory_gib,
             "step_time_s": self.time.step_s,
             "tokens_per_s_per_gpu": self.time.tokens_per_s_per_gpu,
@@ -94,6 +106,11 @@ class Plan:
                          "stage_microbatch_s": [s.total_s for s in self.time.stages]},
             "per_rank": [r.to_json() for r in self.ranks],
         }
+
+
+def memory_option_values(args) -> Dict:
+    """static_memory's keyword arguments for the memory options (training/memory_options.py)."""
+    return {"grad_bytes": memory_options.grad_bytes(args), "offload_fraction": memory_options.offload_fraction(args)}
 
 
 def rank_coordinates(layout: Layout, rank: int):
@@ -114,7 +131,8 @@ def plan_rank(args, rank: int) -> RankPlan:
     layout = build_layout(args)
     p, d, e = rank_coordinates(layout, rank)
     st = static_memory(_buffers(args, layout, p), dense_index=d, expert_index=e, bf16=bool(args.bf16),
-                       distributed_optimizer=args.use_distributed_optimizer)
+                       distributed_optimizer=args.use_distributed_optimizer, optimizer=args.optimizer,
+                       **memory_option_values(args))
     return RankPlan(rank, p, d, e, rank_memory(args, layout, layout.chunks[p], p, st))
 
 
@@ -130,7 +148,8 @@ def make_plan(args, gpu, efficiency: float = DEFAULT_EFFICIENCY) -> Plan:
         key = (p, d, e)
         if key not in cache:
             st = static_memory(buffers[p], dense_index=d, expert_index=e, bf16=bool(args.bf16),
-                               distributed_optimizer=args.use_distributed_optimizer)
+                               distributed_optimizer=args.use_distributed_optimizer, optimizer=args.optimizer,
+                               **memory_option_values(args))
             cache[key] = rank_memory(args, layout, layout.chunks[p], p, st)
         ranks.append(RankPlan(rank, p, d, e, cache[key]))
     statics = [max((r.memory.static for r in ranks if r.pp_rank == p), key=lambda s: s.optimizer_bytes)

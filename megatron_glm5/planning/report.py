@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import List
 
+from megatron_glm5.planning.gpus import HOST_USABLE
 from megatron_glm5.planning.memory import CONTEXT_BYTES, FRAGMENTATION, GIB
 
 
@@ -17,6 +18,19 @@ def _g(n: float) -> str:
 
 
 def verdict(plan) -> str:
+    host = ""
+    if plan.host_memory_gib:
+        room = plan.gpu.host_gib_per_gpu
+        host = (f"; host memory {plan.host_memory_gib:.1f} GiB per rank for the offloaded optimizer "
+                f"{'fits' if plan.host_fits else 'DOES NOT FIT'} its share of a node ({room:.0f} GiB: "
+                f"{HOST_USABLE:.0%} of {plan.gpu.host_ram_gib:.0f} GiB / {plan.gpu.gpus_per_node} GPUs)")
+    gpu = _gpu_verdict(plan)
+    if plan.peak_memory_gib <= plan.gpu.memory_gib and not plan.host_fits:
+        gpu = "DOES NOT FIT (host memory): " + gpu[len("FITS: "):]
+    return gpu + host
+
+
+def _gpu_verdict(plan) -> str:
     gap = plan.gpu.memory_gib - plan.peak_memory_gib
     worst = plan.worst
     where = f"rank {worst.rank} (pipeline stage {worst.pp_rank})"
@@ -52,14 +66,21 @@ def render(plan) -> str:
                  _g(s.grad_bytes), _g(s.optimizer_bytes), _g(m.activation_bytes), _g(m.working_bytes),
                  _g(m.optimizer_step_bytes), _g(m.context_bytes + m.margin_bytes), _g(m.total_bytes))
         out.append("  " + " ".join(f"{c:>9}" for c in cells))
-    out.append("  weights: bf16 parameters (padded DDP parameter buffer under the distributed optimizer); grads: fp32"
-               " (grad_reduce_in_fp32); optim: fp32 main copy + Adam m, v of the rank's shard (dense over DP x CP,")
+    grad_dtype = "bf16 (--grad-reduce-dtype bf16)" if plan.worst.memory.static.grad_dtype_bytes == 2 else \
+        "fp32 (grad_reduce_in_fp32)"
+    out.append(f"  weights: bf16 parameters (padded DDP parameter buffer under the distributed optimizer); grads: "
+               f"{grad_dtype}; optim: fp32 main copy + Adam m, v of the rank's shard on the GPU (dense over DP x CP,")
     out.append(f"  experts over expert DP); activ: kept for backward x micro-batches in flight (1F1B: PP - stage); "
                f"working: the recomputed layer + MoE dispatch buffers, or the logits/loss on the last stage; "
                f"opt-step: torch AdamW's foreach temporary during the optimizer step; total = weights + grads + "
                f"optim + max(activ + working, opt-step) + ctx+margin (CUDA context/NCCL {CONTEXT_BYTES / GIB:g} GiB + "
                f"{FRAGMENTATION:.0%} allocator margin: assumptions). Activations are an ESTIMATE "
                f"(planning/activations.py; within 1% of 8 one-GPU runs, docs/performance.md).")
+    host = plan.worst.memory.static
+    if host.offload_fraction:
+        out.append(f"  --optimizer-cpu-offload: {100 * host.offload_fraction:.0f}% of each optimizer's fp32 master copies "
+                   f"and moments (+ gradient copies) in pinned host memory, {host.host_optimizer_bytes / GIB:.2f} GiB for rank "
+                   f"{plan.worst.rank} ({host.offloaded_elements / 1e9:.2f}B elements stepped on the CPU)")
     out.append("")
     out.append(f"step time {t.step_s:.2f} s  (pipeline {t.pipeline_s:.2f} s of which bubble {t.bubble_s:.2f} s; "
                f"data-parallel collectives {t.dp_total_s:.2f} s, exposed {t.dp_exposed_s:.2f} s; optimizer "

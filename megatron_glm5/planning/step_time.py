@@ -29,6 +29,11 @@ DEFAULT_EFFICIENCY = 0.35  # assumed fraction of the datasheet dense bf16 rate a
 # gradient norm 4, clipping 8, copy to the bf16 weights 6 -- about 100.  A calibration table's measured optimizer
 # step replaces it.
 OPTIMIZER_BYTES_PER_ELEMENT = 100
+# --optimizer-cpu-offload: per offloaded element, the gradient to the host and the weight back (4 + 4 bytes over
+# PCIe), and torch's fused CPU AdamW reading the fp32 weight, gradient and moments and writing weight and moments
+# (16 + 12 bytes of host memory traffic).  ESTIMATES from the data sizes, not measured.
+OFFLOAD_PCIE_BYTES_PER_ELEMENT = 8
+OFFLOAD_CPU_BYTES_PER_ELEMENT = 28
 BF16 = 2
 
 
@@ -126,11 +131,27 @@ def dp_time(args, layout, gpu, static) -> float:
     for name, n in static.buckets:
         size, stride = (layout.edp, layout.ep * layout.etp) if name == "experts" else \
             (layout.dense_shards, layout.tp)
+        grad = static.grad_dtype_bytes  # --grad-reduce-dtype
         if args.use_distributed_optimizer:
-            t += comm.ring(n * 4, size, stride, gpu) + comm.ring(n * dtype, size, stride, gpu)
+            t += comm.ring(n * grad, size, stride, gpu) + comm.ring(n * dtype, size, stride, gpu)
         else:
-            t += 2 * comm.ring(n * 4, size, stride, gpu)
+            t += 2 * comm.ring(n * grad, size, stride, gpu)
     return t
+
+
+def optimizer_step_s(static, gpu, gpu_s_per_element: float, args) -> float:
+    """One rank's optimizer step: its GPU-resident elements at ``gpu_s_per_element``; with --optimizer-cpu-offload
+    the offloaded ones' gradients to the host and weights back over PCIe (4 bytes each way per element: fp32 on
+    the host side) plus torch's CPU AdamW at the host memory bandwidth (OFFLOAD_CPU_BYTES_PER_ELEMENT), the two
+    in sequence (or the longer of them with --overlap-cpu-optimizer-d2h-h2d); the GPU's part runs meanwhile."""
+    on_gpu = sum(static.gpu_optimizer_elements()) * gpu_s_per_element
+    n = static.offloaded_elements
+    if not n:
+        return on_gpu
+    pcie = n * OFFLOAD_PCIE_BYTES_PER_ELEMENT / (gpu.pcie_gb_s * 1e9)
+    cpu = n * OFFLOAD_CPU_BYTES_PER_ELEMENT / (gpu.host_memory_gb_s * 1e9)
+    host = max(pcie, cpu) if getattr(args, "overlap_cpu_optimizer_d2h_h2d", False) else pcie + cpu
+    return max(on_gpu, host)
 
 
 def step_time(args, layout, gpu, statics, calibration, efficiency: float = DEFAULT_EFFICIENCY) -> StepTime:
@@ -151,9 +172,9 @@ def step_time(args, layout, gpu, statics, calibration, efficiency: float = DEFAU
     if args.overlap_param_gather:
         window += slowest / 3 / layout.vpp  # the first micro-batch's forward
     dp_exposed = max(0.0, dp_total - window)
-    owned = max(sum(st.optimizer_elements.values()) for st in statics)
     per_element = calibration.optimizer_s_per_element() if calibration is not None else None
-    opt = owned * (per_element if per_element is not None else OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12))
+    gpu_per_element = per_element if per_element is not None else OPTIMIZER_BYTES_PER_ELEMENT / (gpu.hbm_tb_s * 1e12)
+    opt = max(optimizer_step_s(st, gpu, gpu_per_element, args) for st in statics)
     step = pipeline + dp_exposed + opt
     tokens = args.global_batch_size * args.seq_length
     tps = tokens / step / layout.world
