@@ -356,7 +356,7 @@ def test_bad_input_lines(release, tmp_path, monkeypatch):
     assert flags.check(args, big, cuda=True) == {}  # every full-width shard cuts on 128 (kv_a is held whole)
     args.tensor_model_parallel_size = 128
     with pytest.raises(flags.FP8FlagError,
-                       match=r"--tp 128 splits mlp.down_proj \(dense layers\)'s 12288 input columns into 96"):
+                       match=r"--tp 128 splits mlp.gate_proj/up_proj \(dense layers\)'s 12288 rows into 96 per rank"):
         flags.check(args, big, cuda=False)
     args.tensor_model_parallel_size = 1
     args.load = str(root / "ckpt8")
