@@ -69,7 +69,7 @@ def apply_lora(model, cfg: LoRAConfig, seed: int) -> int:
         p.requires_grad_(is_adapter_name(name) or (cfg.train_indexer and INDEXER_PART in name))
     _draw_a(model, seed)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    model.checkpoint_scope = AdapterScope(cfg, trainable)
+    model.checkpoint_scope = AdapterScope(cfg, trainable, mtp=bool(getattr(model.config, "mtp_num_layers", None)))
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log.info("LoRA rank %d alpha %g on %d modules (%s): %d trainable parameters in this chunk", cfg.rank, cfg.alpha,
              adapted, ",".join(cfg.targets), n_train)

@@ -28,8 +28,8 @@ class LoRACheckpointError(UserError):
 class AdapterScope:
     """What a LoRA model chunk's checkpoints hold: ``mode`` "adapters" (the trainable tensors) or "base"."""
 
-    def __init__(self, cfg: LoRAConfig, trainable: set):
-        self.cfg, self.trainable, self.mode = cfg, set(trainable), "adapters"
+    def __init__(self, cfg: LoRAConfig, trainable: set, mtp: bool = False):
+        self.cfg, self.trainable, self.mode, self.mtp = cfg, set(trainable), "adapters", bool(mtp)
         self.base_record = {}
 
     @staticmethod
@@ -42,10 +42,13 @@ class AdapterScope:
     def excludes(self, key: str) -> bool:
         return key not in self.trainable if self.mode == "adapters" else self.is_adapter(key)
 
-    def common_state(self) -> dict:
+    def annotate(self, state: dict, record_key: str) -> None:
+        """Add to a checkpoint's state the LoRA record; the model record says whether the model has its MTP layer
+        (an adapter checkpoint holds none of its tensors, from which a reader would otherwise conclude it has not)."""
         if self.mode != "adapters":
-            return {}
-        return {COMMON_KEY: {"lora": self.cfg.to_record(), "base": dict(self.base_record)}}
+            return
+        state[COMMON_KEY] = {"lora": self.cfg.to_record(), "base": dict(self.base_record)}
+        state[record_key]["mtp"] = self.mtp
 
 
 def _set_mode(chunks, mode: str) -> None:
