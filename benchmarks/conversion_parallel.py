@@ -29,7 +29,9 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from conversion_memory import run_measured, synthetic_config, write_synthetic  # noqa: E402
+from conversion_memory import hf_tensor_list, run_measured, synthetic_config  # noqa: E402
+
+from megatron_glm5.conversion.safetensors_stream import SafetensorsShardWriter, plan_shards  # noqa: E402
 
 SEGMENT = 2 ** 30
 TOOLS = os.path.join(os.path.dirname(HERE), "tools")
@@ -64,8 +66,43 @@ def hash_dir(directory: str, pool) -> dict:
     return out
 
 
+def write_synthetic_fast(cfg, directory: str, seed: int = 0, block_bytes: int = 64 * 2 ** 20) -> int:
+    """conversion_memory.write_synthetic's checkpoint, with data made fast: one 256 MiB random bf16 pool; each
+    block is a window of it (offset from the block's index) XOR a per-block constant in the low mantissa bits
+    (values stay finite), so no two blocks are alike and a misplaced block shows in the hashes."""
+    os.makedirs(directory, exist_ok=True)
+    tensors = hf_tensor_list(cfg)
+    shards = plan_shards(tensors, 5 * 10 ** 9)
+    gen = torch.Generator().manual_seed(seed)
+    pool_elems = 128 * 2 ** 20
+    pool = torch.randint(0, 0x3F80, (pool_elems,), dtype=torch.int16, generator=gen)
+    pool ^= torch.randint(0, 2, (pool_elems,), dtype=torch.int16, generator=gen) << 15
+    weight_map, index = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        w = SafetensorsShardWriter(os.path.join(directory, name), shard)
+        for t in shard:
+            rows = t.shape[0]
+            step = max(1, block_bytes // max(1, t.nbytes // rows))
+            for r0 in range(0, rows, step):
+                shape = (min(rows, r0 + step) - r0,) + tuple(t.shape[1:])
+                n = math.prod(shape)
+                if t.dtype != torch.bfloat16:
+                    w.write(torch.randn(shape, dtype=t.dtype, generator=gen))
+                    continue
+                start = (index * 7919 * 64) % (pool_elems - n + 1)
+                w.write((pool[start:start + n] ^ ((index * 2654435761) & 0x7F)).view(torch.bfloat16).view(shape))
+                index += 1
+            weight_map[t.name] = name
+        w.close(fsync=False)
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}, f)
+    cfg.save_hf(directory)
+    return sum(t.nbytes for t in tensors)
+
+
 def experts_for(size_gb: float, layers: int) -> int:
-    base = synthetic_config(layers, 1)
+    base = synthetic_config(layers, 8)
     expert = 3 * base.moe_intermediate_size * base.hidden_size * 2
     fixed = 5.0e9  # embedding + head (3.8 GB) + dense layer + attention of the MoE layers, roughly
     return max(8, math.ceil((size_gb * 1e9 - fixed) / ((layers - 1) * expert)))
@@ -126,7 +163,7 @@ def main(argv=None) -> int:
     try:
         with concurrent.futures.ProcessPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
             t0 = time.time()
-            result["checkpoint_bytes"] = write_synthetic(cfg, hf)
+            result["checkpoint_bytes"] = write_synthetic_fast(cfg, hf)
             result["write_input_s"] = round(time.time() - t0, 1)
             if args.direction in ("hf2mcore", "both"):
                 result["hf2mcore"], result["hf2mcore_bitwise_equal"] = run_direction("hf2mcore", hf, mc,

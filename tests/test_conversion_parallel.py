@@ -192,6 +192,7 @@ if __name__ == "__main__":  # the workers' fork server imports this file again
 """
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_write_the_same_bytes(hf_dir, tmp_path):
     mc, out = tmp_path / "mc", tmp_path / "hf"
     _import(hf_dir, mc, 1)
