@@ -30,7 +30,9 @@ def _single_process_model(cfg: GLM5Config, has_mtp: bool, mtp: Optional[bool], d
     overrides.setdefault("use_cpu_initialization", device == "cpu")
     overrides.setdefault("perform_initialization", False)
     with torch.device(device):
-        return build_model(cfg, mtp=mtp, **overrides), mtp
+        model = build_model(cfg, mtp=mtp, **overrides)
+    model.glm5_config = cfg  # the HF-level config (eos ids, max positions) for generation (generation/cli.py)
+    return model, mtp
 
 
 def from_hf_pretrained(path: str, dtype: torch.dtype = torch.float32, device: Optional[str] = None,

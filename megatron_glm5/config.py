@@ -1089,6 +1089,9 @@ def transformer_config_class():
         """--moe-permute-fusion: our Triton permute/unpermute kernels (ops/triton_moe_permute.py) in the alltoall
         and allgather dispatchers; None: on when CUDA and triton are available. (megatron-core's own
         moe_permute_fusion means Transformer Engine's kernels and stays off.)"""
+        cross_entropy_fusion: str = "none"
+        """--cross-entropy-fusion: "chunked" computes the LM head's loss without materialising the logits
+        (model/linear_cross_entropy.py); "native" / "none" leave it to megatron-core."""
         fp32_router_and_indexer_weights: bool = True
         """Keep the router weight and the indexer's weights_proj in fp32 whatever params_dtype is (transformers'
         choice; right for inference). Training turns it off: megatron-core's bf16 optimizers need one parameter

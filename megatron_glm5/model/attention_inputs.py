@@ -53,9 +53,11 @@ class AttentionInputs:
         that many keys. The same on every rank and pipeline stage of a micro-batch (``max_window`` is global)."""
         return min(index_topk, self.max_window)
 
-    def gather_keys(self, t: torch.Tensor) -> torch.Tensor:
+    def gather_keys(self, t: torch.Tensor, cache_key=None) -> torch.Tensor:
         """A per-token key tensor of this rank [s, b, ...] -> the token-flattened key rows [b * S, ...] of the
-        whole sequence in global order (all-gathered over CP, gradient reduce-scattered back; S = s without CP)."""
+        whole sequence in global order (all-gathered over CP, gradient reduce-scattered back; S = s without CP).
+        ``cache_key`` names the keys ((layer_number, "kv" | "index")): ignored here; generation's cache-aware
+        inputs (generation/kv_cache.py) store the new rows under it and return the cached rows instead."""
         if self.cp_group is not None:
             t = gather_sequence(t, self.cp_group, self.key_order)
         return t.transpose(0, 1).reshape(t.shape[0] * t.shape[1], *t.shape[2:])

@@ -24,6 +24,7 @@ from megatron_glm5.config import DSA_STAGES
 from megatron_glm5.model.params import param_device
 from megatron_glm5.model.rope import apply_interleaved_rope
 from megatron_glm5.ops import get_backend
+from megatron_glm5.ops.autotune import shape_from_config
 
 MTP_STORE_KEY = "mtp"  # where the MTP layer's indexer leaves its top-k
 
@@ -35,8 +36,9 @@ class GLM5Indexer(MegatronModule):
     Weights are replicated over tensor-parallel ranks (the indexer is small and sees the whole sequence).
     """
 
-    def __init__(self, config):
+    def __init__(self, config, layer_number=None):
         super().__init__(config=config)
+        self.layer_number = layer_number  # names its key rows for generation's cache (AttentionInputs.gather_keys)
         hi, di = config.dsa_index_n_heads, config.dsa_index_head_dim
         self.n_heads, self.head_dim, self.rope_dim = hi, di, config.qk_pos_emb_head_dim
         dtype, device = config.params_dtype, param_device(config)
@@ -63,7 +65,7 @@ class GLM5Indexer(MegatronModule):
         k = torch.cat([apply_interleaved_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
         w = F.linear(x.to(torch.float32), self.linear_weights_proj.weight.float()) * (self.n_heads ** -0.5)
         to_tokens = lambda t: t.transpose(0, 1).reshape(b * s, *t.shape[2:])
-        return to_tokens(q), inputs.gather_keys(k), to_tokens(w)
+        return to_tokens(q), inputs.gather_keys(k, (self.layer_number, "index")), to_tokens(w)
 
 
 class GLM5SparseAttention(MegatronModule):
@@ -82,11 +84,11 @@ class GLM5SparseAttention(MegatronModule):
             raise ValueError(f"--dsa-stage must be one of {DSA_STAGES}, got {config.dsa_stage!r}")
         self.layer_number = layer_number
         self.index_mode, self.store_key, self.source_key = index_mode, store_key, source_key
-        self.indexer = GLM5Indexer(config) if index_mode == "full" else None
+        self.indexer = GLM5Indexer(config, layer_number) if index_mode == "full" else None
         if self.indexer is not None and config.dsa_freeze_indexer:
             self.indexer.requires_grad_(False)
         self.softmax_scale = softmax_scale
-        self.backend = get_backend(config.dsa_backend)
+        self.backend = get_backend(config.dsa_backend, shape=shape_from_config(config))
         self.tp_group = pg_collection.tp if pg_collection is not None else parallel_state.get_tensor_model_parallel_group()
         self.last_indexer_loss = None  # mean KL per token of the last training forward (detached)
         self.kl_log = [0.0, 0]  # (sum of per-forward mean KL, forwards) since the trainer last reset it

@@ -23,6 +23,8 @@ from typing import Callable, Iterable, Tuple
 
 import torch
 
+from megatron_glm5.fp8 import init as fp8_init
+
 BLOCK_ELEMENTS = 1 << 24
 # tensors megatron-core initialises with output_layer_init_method (the projections back into the residual stream)
 _OUTPUT_LAYER_SUFFIXES = ("linear_proj.weight", "linear_fc2.weight", "experts.weight2")
@@ -93,12 +95,21 @@ def initialize_by_global_identity(model, seed: int) -> int:
     the number of tensors redrawn."""
     config = model.config
     redrawn = 0
-    for st in _sharded_tensors(model.sharded_state_dict()):
-        if st.flattened_range is not None or not torch.is_floating_point(st.data) or _is_constant(st.data):
+    tensors = list(_sharded_tensors(model.sharded_state_dict()))
+    fp8_scales = fp8_init.scales_of(tensors)  # the frozen FP8 base (--base-precision fp8): weight -> its scales
+    for st in tensors:
+        if st.flattened_range is not None or not torch.is_floating_point(st.data) or fp8_init.is_scale_key(st.key):
+            continue
+        if not fp8_init.is_fp8(st.data) and _is_constant(st.data):
             continue
         offset, shape = _local_window(st)
         data = st.data.view(shape) if tuple(st.data.shape) != shape else st.data
-        fill_shard(data, st.key, tuple(st.global_shape[st.prepend_axis_num:]), offset, init_function(config, st.key),
-                   seed)
+        global_shape, init_fn = tuple(st.global_shape[st.prepend_axis_num:]), init_function(config, st.key)
+        if fp8_init.is_fp8(data):  # drawn as the bf16 model's tensor, then quantised
+            scale = fp8_scales[id(st)]
+            fp8_init.redraw(data, scale.data.view(_local_window(scale)[1]), offset,
+                            lambda values, off, key=st.key: fill_shard(values, key, global_shape, off, init_fn, seed))
+        else:
+            fill_shard(data, st.key, global_shape, offset, init_fn, seed)
         redrawn += 1
     return redrawn

@@ -44,10 +44,27 @@ from megatron_glm5.model.attention_inputs import AttentionInputs
 from megatron_glm5.model.rope import apply_interleaved_rope
 
 
+def local_linear(linear, x: torch.Tensor) -> torch.Tensor:
+    """x @ W^T with this rank's shard of a parallel linear, its communication left to the caller (``_project``).
+    A linear that is more than one weight (LoRA adapters: lora/adapters.py) computes it itself."""
+    own = getattr(linear, "local_linear", None)
+    return own(x) if own is not None else F.linear(x, linear.weight)
+
+
+def dense_weight(linear) -> torch.Tensor:
+    """The weight this rank's shard of a linear applies (the absorbed attention uses kv_up's in place); a linear
+    with adapters returns W + (alpha/r) B A."""
+    own = getattr(linear, "dense_weight", None)
+    return own() if own is not None else linear.weight
+
+
 class GLM5MLASelfAttention(MLASelfAttention):
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, fp8_down_projections: bool = False, **kwargs):
         super().__init__(config, *args, **kwargs)
+        if fp8_down_projections:  # megatron-core builds only its own classes there: swapped for the frozen FP8 base
+            from megatron_glm5.fp8.modules import replace_down_projections
+            replace_down_projections(self)
         selective = config.recompute_granularity == "selective"
         modules = config.recompute_modules or []
         if selective and "mla_up_proj" in modules:
@@ -66,8 +83,8 @@ class GLM5MLASelfAttention(MLASelfAttention):
             x = gather_from_sequence_parallel_region(hidden_states, group=self.pg_collection.tp)
         else:
             x = copy_to_tensor_model_parallel_region(hidden_states, group=self.pg_collection.tp)
-        q_c = F.linear(x, self.linear_q_down_proj.weight)
-        kv_c = F.linear(x, self.linear_kv_down_proj.weight)
+        q_c = local_linear(self.linear_q_down_proj, x)
+        kv_c = local_linear(self.linear_kv_down_proj, x)
         if tp > 1:
             q_c = gather_from_tensor_model_parallel_region(q_c, group=self.pg_collection.tp)
             kv_c = gather_from_tensor_model_parallel_region(kv_c, group=self.pg_collection.tp)
@@ -82,7 +99,8 @@ class GLM5MLASelfAttention(MLASelfAttention):
             raise TypeError("GLM5MLASelfAttention expects the per-forward AttentionInputs in the rotary_pos_emb "
                             "slot (built by GLM5Model); got " + type(inputs).__name__)
         if inference_context is not None or inference_params is not None:
-            raise NotImplementedError("KV-cache inference is not supported by megatron-glm5; export to HF/vLLM")
+            raise NotImplementedError("megatron-core's inference context is not used by GLM-5's MLA: generate "
+                                      "with megatron_glm5.generation (its own MLA latent cache)")
         cfg = self.config
         h = self.num_attention_heads_per_partition
         nope, rope, dv, lat = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
@@ -92,7 +110,7 @@ class GLM5MLASelfAttention(MLASelfAttention):
         group = self.pg_collection.tp
 
         q_resid = self.q_layernorm(q_c)
-        q = F.linear(copy_to_tensor_model_parallel_region(q_resid, group=group), self.linear_q_up_proj.weight)
+        q = local_linear(self.linear_q_up_proj, copy_to_tensor_model_parallel_region(q_resid, group=group))
         q = q.view(s, b, h, nope + rope)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
         q_rope = apply_interleaved_rope(q_rope, inputs.cos, inputs.sin)
@@ -101,7 +119,7 @@ class GLM5MLASelfAttention(MLASelfAttention):
         k_rope = apply_interleaved_rope(kv_c[..., lat:], inputs.cos, inputs.sin)
         kv = copy_to_tensor_model_parallel_region(torch.cat([latent, k_rope], dim=-1), group=group)
 
-        w_kv = self.linear_kv_up_proj.weight.view(h, nope + dv, lat)
+        w_kv = dense_weight(self.linear_kv_up_proj).view(h, nope + dv, lat)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
         q_lat = torch.einsum("sbhn,hnc->sbhc", q_nope, w_uk)
         q_abs = torch.cat([q_lat, q_rope], dim=-1)
@@ -109,7 +127,9 @@ class GLM5MLASelfAttention(MLASelfAttention):
         to_tokens = lambda t: t.transpose(0, 1).reshape(b * s, *t.shape[2:])
         core = lambda q_, kv_, x_, qr_: self.core_attention(q_, kv_, x_, qr_, inputs)
         # keys of the whole sequence: all-gathered over context parallelism, in global token order
-        core_args = (to_tokens(q_abs), inputs.gather_keys(kv), x.detach(), q_resid.detach())
+        # (generation's cache-aware inputs return the cached rows of this layer instead, see generation/kv_cache.py)
+        keys = inputs.gather_keys(kv, (self.layer_number, "kv"))
+        core_args = (to_tokens(q_abs), keys, x.detach(), q_resid.detach())
         # Recompute only when a gradient flows into the core: with nothing upstream trainable (--dsa-stage
         # dense-warmup trains the indexers alone) the checkpoint's backward would never run, and with it the
         # indexer loss the core attaches in the recomputation.

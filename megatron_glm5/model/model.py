@@ -16,7 +16,7 @@ from megatron_glm5.mcore_patches.record import Phase
 from megatron_glm5.model.attention_inputs import build_attention_inputs
 from megatron_glm5.model.context_parallel import check_context_parallel, default_position_ids
 from megatron_glm5.model.hybridep_dispatcher import hybridep_backend, setup_hybridep_groups
-from megatron_glm5.model import pipeline_topk
+from megatron_glm5.model import linear_cross_entropy, pipeline_topk
 from megatron_glm5.model.spec import decoder_block_spec, mtp_block_spec
 
 
@@ -34,6 +34,8 @@ class GLM5Model(GPTModel):
         if position_ids is None and input_ids is not None:
             cp = self.config.context_parallel_size
             position_ids = default_position_ids(input_ids, cp, self.pg_collection.cp.rank() if cp > 1 else 0)
+        if kwargs.get("labels") is not None and getattr(self.config, "cross_entropy_fusion", "none") == "chunked":
+            kwargs.setdefault("output_processor", linear_cross_entropy.output_processor)
         return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
@@ -63,12 +65,14 @@ def _check_selective_recompute(cfg) -> None:
 
 
 def build_model(config, *, pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                vp_stage: Optional[int] = None, mtp: Optional[bool] = None, **overrides) -> GLM5Model:
+                vp_stage: Optional[int] = None, mtp: Optional[bool] = None, base_precision: str = "bf16",
+                **overrides) -> GLM5Model:
     """Build GLM-5 for this rank's pipeline stage.
 
     ``config``: a GLM5Config (HF-level; ``overrides`` go to ``to_transformer_config``: parallel sizes, dtype,
     dsa_stage, ...) or an already-built GLM5TransformerConfig. ``mtp``: build the MTP layer (default: when the
-    config has one). Initialises a single-process model-parallel state if none exists.
+    config has one). ``base_precision`` "fp8": the large frozen matrices are FP8 with block scales (fp8/modules.py).
+    Initialises a single-process model-parallel state if none exists.
     """
     from megatron_glm5.config import GLM5Config
 
@@ -98,7 +102,7 @@ def build_model(config, *, pre_process: Optional[bool] = None, post_process: Opt
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     return GLM5Model(
         config=tcfg,
-        transformer_layer_spec=decoder_block_spec(tcfg, vp_stage=vp_stage),
+        transformer_layer_spec=decoder_block_spec(tcfg, vp_stage=vp_stage, base_precision=base_precision),
         vocab_size=tcfg.vocab_size,
         max_sequence_length=tcfg.max_position_embeddings if hasattr(tcfg, "max_position_embeddings") else 4096,
         pre_process=pre_process,
@@ -106,6 +110,6 @@ def build_model(config, *, pre_process: Optional[bool] = None, post_process: Opt
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=int(tcfg.rotary_base),
-        mtp_block_spec=mtp_block_spec(tcfg),
+        mtp_block_spec=mtp_block_spec(tcfg, base_precision),
         vp_stage=vp_stage,
     )

@@ -122,6 +122,15 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, coun
     return torch.cat([F.linear(chunk, w[e]) for e, chunk in enumerate(torch.split(x, counts))], dim=0)
 
 
+def expert_offsets(tokens_per_expert, device) -> tuple:
+    """(offsets = cumsum of the tokens per local expert, int32 on ``device``; the counts as a list, or None when
+    they are a device tensor: offsets stay on the device, no host-GPU synchronisation)."""
+    if torch.is_tensor(tokens_per_expert):
+        return tokens_per_expert.to(device).cumsum(0).to(torch.int32), None
+    counts = list(tokens_per_expert)
+    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32), counts
+
+
 class GLM5GroupedExperts(MegatronModule):
     """The routed experts of one MoE layer (this rank's ``num_local_experts``).
 
@@ -130,6 +139,8 @@ class GLM5GroupedExperts(MegatronModule):
     of gate, up and down; keeping gate/up as their own axis lets checkpoints reshard over etp without reshuffling.
     Checkpoints name the global tensors [E, 2, I, H] and [E, H, I]: experts shard axis 0 over expert parallelism.
     """
+
+    CHECKPOINT_TENSORS = (("weight1", 2), ("weight2", 2))  # (name, etp axis); the FP8 experts add their scales
 
     def __init__(self, num_local_experts: int, config, pg_collection=None, name=None):
         super().__init__(config=config)
@@ -154,18 +165,23 @@ class GLM5GroupedExperts(MegatronModule):
             tensor_parallel.set_tensor_model_parallel_attributes(w, is_parallel=self.etp > 1, dim=dim, stride=1)
 
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor):
-        if torch.is_tensor(tokens_per_expert):  # offsets stay on the device: no host-GPU synchronisation
-            counts = None
-            offsets = tokens_per_expert.to(permuted_hidden.device).cumsum(0).to(torch.int32)
-        else:
-            counts = list(tokens_per_expert)
-            offsets = torch.tensor(counts, device=permuted_hidden.device).cumsum(0).to(torch.int32)
-        w1 = self.weight1.view(self.num_local_experts, 2 * self.ffn_local, -1)
-        h = grouped_linear(permuted_hidden, w1, offsets, counts)
+        offsets, counts = expert_offsets(tokens_per_expert, permuted_hidden.device)
+        act = self.activation(self.linear_fc1(permuted_hidden, offsets, counts), permuted_probs)
+        return self.linear_fc2(act, offsets, counts), None
+
+    # the pieces of forward, also composed by the grouped LoRA (lora/grouped.py)
+    def linear_fc1(self, x: torch.Tensor, offsets: torch.Tensor, counts=None) -> torch.Tensor:
+        """[gate | up] of every token's expert: [N, H] -> [N, 2 * I_local]."""
+        return grouped_linear(x, self.weight1.view(self.num_local_experts, 2 * self.ffn_local, -1), offsets, counts)
+
+    def linear_fc2(self, act: torch.Tensor, offsets: torch.Tensor, counts=None) -> torch.Tensor:
+        return grouped_linear(act, self.weight2, offsets, counts)
+
+    def activation(self, h: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, weighted by the token's combine weight."""
         gate, up = h.split(self.ffn_local, dim=-1)
         act = F.silu(gate) * up
-        act = (act.float() * permuted_probs.float().unsqueeze(-1)).to(act.dtype)
-        return grouped_linear(act, self.weight2, offsets, counts), None
+        return (act.float() * permuted_probs.float().unsqueeze(-1)).to(act.dtype)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -176,7 +192,7 @@ class GLM5GroupedExperts(MegatronModule):
         etp_rank = self.etp_group.rank() if self.etp_group is not None else 0
         replica = (0, 0, self.edp_group.rank() if self.edp_group is not None else 0)
         out = {}
-        for name, tp_axis in (("weight1", 2), ("weight2", 2)):
+        for name, tp_axis in self.CHECKPOINT_TENSORS:
             out[prefix + name] = ShardedTensor.from_rank_offsets(
                 prefix + name, getattr(self, name), *sharded_offsets,
                 (n, ep_rank, ep_size), (n + tp_axis, etp_rank, self.etp),

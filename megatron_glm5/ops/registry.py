@@ -10,8 +10,9 @@ AUTO_PREFERENCE below.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Set
+from typing import Dict, Optional, Set
 
+from . import autotune
 from .base import AttentionBackend, BackendUnavailable
 from .cudnn_backend import CudnnBackend
 from .flashmla_backend import FlashMLABackend
@@ -34,7 +35,8 @@ BACKEND_NAMES = tuple(BACKENDS)
 #: the values of --attn
 ATTN_CHOICES = ("auto", *BACKEND_NAMES)
 
-#: order in which "auto" tries backends (fastest first); only implemented, available ones are chosen
+#: order in which "auto" tries backends (fastest first) when nothing is measured (no shape given, no CUDA, one
+#: backend, the benchmark failed) and among backends measured within autotune.TIE_MARGIN of each other
 # fastest first, by the 4-layer GLM-5 proxy's training step on the H200 at seq 4096 (docs/performance.md): cudnn
 # (cuDNN backward, FlashMLA forward when installed) 228 ms, tilelang (all TileLang but the fused KL kernel) 279,
 # flashmla (FlashMLA forward, Triton backward) 336, triton 346
@@ -42,6 +44,7 @@ AUTO_PREFERENCE = ("cudnn", "tilelang", "flashmla", "triton", "torch")
 
 _ALIASES = {"flash_mla": "flashmla", "flash-mla": "flashmla", "reference": "torch"}
 _logged: Set[str] = set()
+_measured: Dict[autotune.AttnShape, AttentionBackend] = {}
 
 
 def _log_once(requested: str, backend: AttentionBackend) -> None:
@@ -50,22 +53,32 @@ def _log_once(requested: str, backend: AttentionBackend) -> None:
         logger.info("attention backend: %s (requested --attn %s)", backend.name, requested)
 
 
-def get_backend(name: str = "auto") -> AttentionBackend:
+def _auto(shape: Optional[autotune.AttnShape]) -> AttentionBackend:
+    """--attn auto: the implemented, available backends (torch only when nothing else is) in AUTO_PREFERENCE's
+    order, ranked by this GPU's measurement at ``shape`` (ops/autotune.py) when a shape is given."""
+    ready = [BACKENDS[c] for c in AUTO_PREFERENCE if BACKENDS[c].implemented and BACKENDS[c].available()]
+    gpu = [b for b in ready if b.name != "torch"]
+    if shape is None or len(gpu) <= 1:
+        return (gpu or ready)[0]
+    if shape not in _measured:
+        _measured[shape] = autotune.rank(gpu, shape)[0][0]
+    return _measured[shape]
+
+
+def get_backend(name: str = "auto", shape: Optional[autotune.AttnShape] = None) -> AttentionBackend:
     """The attention backend for ``--attn name``.
 
-    "auto": the best implemented and available backend ("torch" when no GPU kernel can run).  Unknown name:
+    "auto": the fastest implemented and available backend ("torch" when no GPU kernel can run): measured at
+    ``shape`` on this GPU (``autotune.rank``, cached per GPU, versions and shape) when given, else the fixed order.  Unknown name:
     ValueError listing the choices.  A known backend that cannot run: BackendUnavailable (an ImportError) with a
     one-line reason -- missing package (with the install step), no CUDA GPU, or kernels not shipped yet.
     """
     requested = str(name).strip().lower()
     key = _ALIASES.get(requested, requested)
     if key == "auto":
-        for candidate in AUTO_PREFERENCE:
-            backend = BACKENDS[candidate]
-            if backend.implemented and backend.available():
-                _log_once(requested, backend)
-                return backend
-        raise BackendUnavailable("--attn auto: no attention backend is available")  # unreachable: torch always is
+        backend = _auto(shape)
+        _log_once(requested, backend)
+        return backend
     if key not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of: {', '.join(ATTN_CHOICES)}")
     backend = BACKENDS[key]
