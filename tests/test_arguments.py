@@ -532,6 +532,7 @@ def test_overrides_are_real_transformer_config_fields():
         "moe_token_dispatcher_type", "mtp_loss_scaling_factor", "recompute_granularity", "recompute_method",
         "recompute_num_layers", "recompute_modules", "num_layers_in_first_pipeline_stage",
         "num_layers_in_last_pipeline_stage", "calculate_per_token_loss", "fp32_router_and_indexer_weights", "moe_router_dtype", "mtp_num_layers",
+        "cross_entropy_fusion",
     }
     assert set(overrides) == expected
     assert set(overrides) <= _tc_fields()

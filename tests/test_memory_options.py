@@ -23,6 +23,7 @@ same tokens.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -116,7 +117,8 @@ SCRIPT = textwrap.dedent("""
 def runs(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("memory_options")
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=cwd, capture_output=True, text=True, timeout=600,
-                       env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                       env={"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+                            "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stderr[-4000:]
     return json.loads(lines[0][len("RESULT "):])

@@ -13,6 +13,9 @@ import os
 import sys
 
 
+from megatron_glm5.conversion.parallel import add_workers_flag
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         from megatron_glm5.conversion.convert import ConversionError
@@ -43,7 +46,9 @@ def _guard(fn, argv) -> int:
 def _summary(result: dict) -> None:
     gib = result["bytes"] / 2 ** 30
     print(f"wrote {result['output']}: {result['tensors']} tensors, {gib:.2f} GiB in {result['seconds']:.1f} s "
-          f"({result['mb_per_s']:.0f} MiB/s), peak RSS {result['peak_rss_bytes'] / 2 ** 30:.2f} GiB")
+          f"({result['mb_per_s']:.0f} MiB/s), peak RSS {result['peak_rss_bytes'] / 2 ** 30:.2f} GiB"
+          + (f"; {result['workers']} workers, peak RSS per worker up to "
+             f"{max(result['worker_peak_rss_bytes']) / 2 ** 30:.2f} GiB" if result.get("workers", 1) > 1 else ""))
     print("summary " + json.dumps(result, sort_keys=True))
 
 
@@ -66,6 +71,9 @@ def hf_to_megatron_parser():
                         "bias are never narrowed below fp32 (default: auto)")
     p.add_argument("--mtp", action=argparse.BooleanOptionalAction, default=None,
                    help="convert the MTP layer (default: when the checkpoint has it)")
+    p.add_argument("--keep-fp8", action="store_true",
+                   help="an FP8 release: keep its e4m3 weights and weight_scale_inv blocks as they are (bitwise), "
+                        "for training with --base-precision fp8 (docs/fp8.md); without it FP8 is dequantised")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="convert weights with NaN/Inf values (each such tensor is named in a warning); without it "
                         "they stop the conversion")
@@ -73,6 +81,7 @@ def hf_to_megatron_parser():
     p.add_argument("--max-chunk-size", default="64MiB", metavar="SIZE",
                    help="largest block held in memory; bigger tensors are stored as several chunks (default: 64MiB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_workers_flag(p)
     return p
 
 
@@ -84,7 +93,8 @@ def _hf_to_megatron(argv) -> int:
     result = convert_hf_to_megatron(args.hf_dir, args.save, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp,
                                     dtype=args.dtype, mtp=args.mtp, overwrite=args.overwrite,
                                     progress=not args.no_progress, max_chunk_bytes=parse_size(args.max_chunk_size),
-                                    allow_nonfinite=args.allow_nonfinite)
+                                    allow_nonfinite=args.allow_nonfinite, workers=args.workers,
+                                    keep_fp8=args.keep_fp8)
     _summary(result)
     return 0
 
@@ -101,9 +111,10 @@ def megatron_to_hf_parser():
                             "model weights are read, never the optimizer state.")
     p.add_argument("--load", required=True, metavar="CKPT", help="checkpoint directory")
     p.add_argument("--save", required=True, metavar="DIR", help="output HF directory (must not exist)")
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
-                   help="output dtype: auto keeps the stored dtypes; e_score_correction_bias stays fp32 "
-                        "(default: auto)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp16", "fp32", "fp8"),
+                   help="output dtype: auto keeps the stored dtypes (an FP8 base stays FP8); fp8 writes the "
+                        "GLM-5-FP8 release's layout (e4m3 + 128x128 weight_scale_inv, quantization_config; "
+                        "docs/fp8.md); e_score_correction_bias stays fp32 (default: auto)")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="safetensors shard size (default: 5GB)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="copy the tokenizer files of this HF directory (or 'tiny' for the shipped test tokenizer)")
@@ -115,6 +126,10 @@ def megatron_to_hf_parser():
                         "--no-mtp leaves it out: transformers' GlmMoeDsaForCausalLM has no MTP module")
     _add_no_verify(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--merge-lora", default=None, metavar="ADAPTERS",
+                   help="merge this LoRA adapter checkpoint into --load (the base) and write the merged model. "
+                        "--load of an adapter checkpoint alone writes a PEFT directory (docs/lora.md)")
+    add_workers_flag(p)
     return p
 
 
@@ -129,10 +144,16 @@ def _megatron_to_hf(argv) -> int:
     from megatron_glm5.conversion.safetensors_stream import parse_size
 
     args = megatron_to_hf_parser().parse_args(argv)
+    from megatron_glm5.lora import export as lora_export
+    if not args.merge_lora and lora_export.is_adapter_checkpoint(args.load):  # adapters alone: a PEFT directory
+        _summary(lora_export.write_peft(args.load, args.save, dtype=lora_export.peft_dtype(args.dtype),
+                                        overwrite=args.overwrite))
+        return 0
     result = convert_megatron_to_hf(args.load, args.save, dtype=args.dtype, max_shard_size=args.max_shard_size,
                                     tokenizer=args.tokenizer, overwrite=args.overwrite,
                                     progress=not args.no_progress, max_block_bytes=parse_size(args.max_block_size),
-                                    mtp=args.mtp, verify=not args.no_verify)
+                                    mtp=args.mtp, verify=not args.no_verify, workers=args.workers,
+                                    wrap_reader=(lora_export.merge_into(args.merge_lora) if args.merge_lora else None))
     _summary(result)
     return 0
 

@@ -28,9 +28,7 @@ import json
 import logging
 import math
 import os
-import resource
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,20 +48,23 @@ from megatron_glm5.checkpoint.format import (
     read_latest,
 )
 from megatron_glm5.config import ConfigError, GLM5Config
+from megatron_glm5.conversion import fp8_io
 from megatron_glm5.conversion.hf_mapping import (
     conversion_plan,
     hf_placements,
     hf_shapes_from_mcore,
     mcore_checkpoint_key,
 )
+from megatron_glm5.conversion.parallel import Runner
+from megatron_glm5.conversion.progress import byte_bar, peak_rss_bytes
 from megatron_glm5.conversion.safetensors_stream import (
     OutTensor,
-    SafetensorsShardWriter,
     SafetensorsSource,
     element_size,
     parse_size,
     plan_shards,
 )
+from megatron_glm5.conversion.tensor_jobs import ParallelDcpWriter, create_shard_files, export_layout
 from megatron_glm5.conversion.torch_dist_stream import (
     LazyChunk,
     TorchDistReader,
@@ -75,7 +76,8 @@ from megatron_glm5.errors import UserError
 log = logging.getLogger("megatron_glm5.conversion")
 
 DTYPE_FLAGS = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-               "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+               "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
+               "fp8": torch.float8_e4m3fn}  # export only: the release's FP8 layout (fp8_io.py)
 _HF_DTYPE_STR = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -93,7 +95,7 @@ def dtype_from_flag(name: str) -> Optional[torch.dtype]:
     try:
         return DTYPE_FLAGS[str(name).lower()]
     except KeyError:
-        raise ConversionError(f"--dtype {name}: choose one of auto, bf16, fp16, fp32") from None
+        raise ConversionError(f"--dtype {name}: choose one of auto, bf16, fp16, fp32, fp8") from None
 
 
 def _is_router_fp32(mcore_key: str) -> bool:
@@ -101,23 +103,8 @@ def _is_router_fp32(mcore_key: str) -> bool:
     return mcore_key.endswith("mlp.router.expert_bias") or mcore_key.endswith("mlp.router.weight")
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set of this process image: VmHWM (Linux; unlike ru_maxrss it does not inherit the peak of a
-    parent that forked us before exec), else ru_maxrss."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _progress(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, disable=not enabled,
-                dynamic_ncols=True, file=sys.stderr)
+    return byte_bar(total, desc, enabled)
 
 
 # ====================================================================== megatron side of the table
@@ -134,7 +121,7 @@ class McoreSpec:
     objects: dict[str, object]  # ShardedObject unique key -> data (the _extra_state entries)
 
 
-def megatron_checkpoint_spec(cfg: GLM5Config, mtp: bool) -> McoreSpec:
+def megatron_checkpoint_spec(cfg: GLM5Config, mtp: bool, base_precision: str = "bf16") -> McoreSpec:
     """Exact checkpoint keys, global shapes and objects of our model, from a model built on the meta device."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 
@@ -143,7 +130,7 @@ def megatron_checkpoint_spec(cfg: GLM5Config, mtp: bool) -> McoreSpec:
 
     platform.initialize_model_parallel()  # single process, TP1/PP1/EP1 (global shapes do not depend on it)
     with torch.device("meta"):
-        model = build_model(cfg, mtp=mtp, perform_initialization=False)
+        model = build_model(cfg, mtp=mtp, perform_initialization=False, base_precision=base_precision)
     sd = model.sharded_state_dict()
     apply_factories(sd)
     tensors, objects = {}, {}
@@ -193,6 +180,7 @@ class NonFiniteGuard:
         self.allow, self.where, self.warned = allow, where, set()
 
     def check(self, source, hf_key: str, r0: int, t: torch.Tensor) -> None:
+        t = t.float() if t.dtype in FP8_DTYPES else t  # FP8 kept as it is (--keep-fp8): e4m3 has NaN, no isfinite
         if not t.is_floating_point() or bool(torch.isfinite(t).all()):
             return
         n_nan, n_inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
@@ -245,8 +233,8 @@ def _fp8_block(cfg: GLM5Config) -> tuple[int, int]:
 
 
 def plan_import(cfg: GLM5Config, source, spec: McoreSpec, include_mtp: bool, dtype: Optional[torch.dtype],
-                max_chunk_bytes: int = DEFAULT_CHUNK_BYTES, where: str = "", allow_nonfinite: bool = False
-                ) -> ImportPlan:
+                max_chunk_bytes: int = DEFAULT_CHUNK_BYTES, where: str = "", allow_nonfinite: bool = False,
+                keep_fp8: bool = False) -> ImportPlan:
     """Check every HF tensor against the table and the model, and list the chunks to write (no data read; each
     chunk checks its values for NaN/Inf when it is produced, see NonFiniteGuard).
 
@@ -255,6 +243,8 @@ def plan_import(cfg: GLM5Config, source, spec: McoreSpec, include_mtp: bool, dty
     guard = NonFiniteGuard(allow_nonfinite, where)
     block = _fp8_block(cfg)
     rows = conversion_plan(cfg, include_mtp=include_mtp)
+    if keep_fp8:  # the FP8 base: the release's e4m3 tensors and their scales as they are (fp8_io.py)
+        rows += fp8_io.scale_rows(rows, spec.tensors)
     chunks, tied, used, fp8_used = [], [], set(), False
     covered = {}
 
@@ -297,9 +287,12 @@ def plan_import(cfg: GLM5Config, source, spec: McoreSpec, include_mtp: bool, dty
                                           f"{list(s_info.shape)}; expected a float tensor of shape {list(s_shape)} "
                                           f"({block[0]}x{block[1]} blocks of {k})")
                 used.add(scale_key)
-                eff.append(torch.bfloat16)
+                eff.append(src_dtype if keep_fp8 and fp8_io.kept_in_fp8(row.mcore, spec.tensors) else torch.bfloat16)
                 fp8_used = True
             elif src_dtype in FLOAT_DTYPES:
+                if keep_fp8 and fp8_io.kept_in_fp8(row.mcore, spec.tensors):
+                    raise ConversionError(f"--keep-fp8: {file_of(k)}: {k} is stored as {info.dtype_name}, not FP8 "
+                                          "(--keep-fp8 reads the FP8 release; convert a bf16 model without it)")
                 if scale_key is not None and scale_key in source:
                     raise ConversionError(f"{file_of(scale_key)}: {scale_key} scales {k}, but {k} is stored as "
                                           f"{info.dtype_name}, not FP8")
@@ -308,7 +301,9 @@ def plan_import(cfg: GLM5Config, source, spec: McoreSpec, include_mtp: bool, dty
                 raise ConversionError(f"{file_of(k)}: {k} is stored as {info.dtype_name}; expected a floating "
                                       f"point tensor (BF16, F16, F32) or F8_E4M3 with {scale_key or 'a scale'}")
             used.add(k)
-        if dtype is not None:
+        if eff and eff[0] in FP8_DTYPES:
+            out_dtype = eff[0]  # --keep-fp8: bytes as stored, whatever --dtype says of the other tensors
+        elif dtype is not None:
             out_dtype = torch.float32 if _is_router_fp32(row.mcore) else dtype
         else:
             if len(set(eff)) != 1:
@@ -318,7 +313,7 @@ def plan_import(cfg: GLM5Config, source, spec: McoreSpec, include_mtp: bool, dty
         esize = element_size(out_dtype)
         for k, shape, placement in zip(row.hf, expected, hf_placements(row, expected)):
             is_fp8 = source.info(k).dtype in FP8_DTYPES
-            scale_key = k[: -len("weight")] + "weight_scale_inv" if is_fp8 else None
+            scale_key = k[: -len("weight")] + "weight_scale_inv" if is_fp8 and out_dtype not in FP8_DTYPES else None
             n_rows = shape[0] if shape else 1
             row_bytes = max(1, math.prod(shape[1:])) * max(esize, 4 if is_fp8 else 0, source.info(k).dtype.itemsize)
             step = max(1, max_chunk_bytes // row_bytes)
@@ -412,6 +407,13 @@ def _replace_dir(partial_dir: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _fresh_dir(path: str) -> None:
+    """An empty temporary output directory (a killed run's leftover removed)."""
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
+
+
 def _write_json(path: str, obj) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
@@ -421,13 +423,19 @@ def _write_json(path: str, obj) -> None:
 def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: Optional[int] = None,
                            dtype: str = "auto", mtp: Optional[bool] = None, overwrite: bool = False,
                            progress: bool = True, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                           allow_nonfinite: bool = False) -> dict:
+                           allow_nonfinite: bool = False, workers: int = 1, keep_fp8: bool = False) -> dict:
     """HF GlmMoeDsa directory -> torch_dist checkpoint directory ``save``. Returns a summary dict.
+    ``keep_fp8``: an FP8 release -> a checkpoint of the frozen FP8 base, e4m3 tensors and scales as they are.
 
-    NaN/Inf in a weight stops the conversion naming the tensor and its file (``allow_nonfinite``: a warning)."""
+    NaN/Inf in a weight stops the conversion naming the tensor and its file (``allow_nonfinite``: a warning).
+    ``workers``: processes writing disjoint shares of the chunks (parallel.py; same output for every value)."""
     t0 = time.time()
     final = _check_target(save, overwrite)
+    runner = Runner(workers)
     out_dtype = dtype_from_flag(dtype)
+    if out_dtype in FP8_DTYPES:
+        raise ConversionError("--dtype fp8 is for the export; to keep an FP8 release's tensors as they are, pass "
+                              "--keep-fp8")
     if not os.path.isdir(hf_dir):
         raise ConversionError(f"--hf-dir {hf_dir}: no such directory")
     cfg_path = os.path.join(hf_dir, "config.json")
@@ -447,14 +455,20 @@ def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, ep:
         raise ConversionError(f"--mtp: {hf_dir} has no MTP layer (model.layers.{cfg.num_hidden_layers}.eh_proj.weight)")
     else:
         include_mtp = bool(mtp)
-    spec = megatron_checkpoint_spec(cfg, include_mtp)
+    if keep_fp8:
+        if not any(source.info(k).dtype in FP8_DTYPES for k in source.keys()):
+            raise ConversionError(f"--keep-fp8: {hf_dir} holds no FP8 weights (a bf16 model); convert it without "
+                                  "--keep-fp8")
+        fp8_io.check_block_size(_fp8_block(cfg), cfg_path)
+    spec = megatron_checkpoint_spec(cfg, include_mtp, base_precision="fp8" if keep_fp8 else "bf16")
     if has_mtp and not include_mtp:
         log.info("%s: leaving the MTP layer out (--no-mtp)", hf_dir)
     elif cfg.num_nextn_predict_layers and not has_mtp:
         log.warning("%s: config.json has num_nextn_predict_layers %d but the weights have no MTP layer (a model "
                     "saved by transformers): converted without MTP, recorded in the checkpoint; fine-tuning from "
                     "it trains without MTP", hf_dir, cfg.num_nextn_predict_layers)
-    plan = plan_import(cfg, source, spec, include_mtp, out_dtype, max_chunk_bytes, allow_nonfinite=allow_nonfinite)
+    plan = plan_import(cfg, source, spec, include_mtp, out_dtype, max_chunk_bytes, allow_nonfinite=allow_nonfinite,
+                       keep_fp8=keep_fp8)
     for problem in _check_tied(source, plan.tied, max_chunk_bytes):
         log.warning("%s: %s; megatron-core ties the MTP layer's embedding and head to the main ones, so the main "
                     "tensors are used", hf_dir, problem)
@@ -462,27 +476,32 @@ def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, ep:
     # --no-load-optim --no-load-rng (no --finetune) starts at iteration 0 from the first sample
     record = ModelRecord(model_config=plan.hf_config, mode="converted", mtp=include_mtp,
                          layout=layout_record(tp, pp, ep, tp if etp is None else etp, cp=1, dp=None),
-                         source={"hf_dir": os.path.abspath(hf_dir), "dtype": dtype, "fp8_dequantized": plan.fp8,
+                         source={"hf_dir": os.path.abspath(hf_dir), "dtype": dtype,
+                                 "fp8_dequantized": plan.fp8 and not keep_fp8, "fp8_kept": keep_fp8,
                                  "mtp": has_mtp})
     common = {"iteration": 0, "data_state": {}, RECORD_KEY: record.to_common()}
     objects = {COMMON_KEY: serialize_object(common)}
     objects.update({k: serialize_object(v) for k, v in plan.objects.items()})
     partial_dir = final + ".partial"
-    if os.path.exists(partial_dir):
-        shutil.rmtree(partial_dir)
-    bar = _progress(plan.total_bytes, "HF -> torch_dist", progress)
+    runner.prepare(partial(_fresh_dir, partial_dir))
+    bar = _progress(plan.total_bytes, "HF -> torch_dist", progress and runner.is_coordinator)
     t_write = time.time()
     try:
-        os.makedirs(partial_dir)
-        save_lazy(partial_dir, plan.chunks, objects, final_path=final, on_item=bar.update)
+        writer = ParallelDcpWriter(partial_dir, runner, final_path=final, on_item=bar.update)
+        save_lazy(partial_dir, plan.chunks, objects, final_path=final, storage_writer=writer)
         plan.chunks.clear()
-        _write_json(os.path.join(partial_dir, "config.json"), plan.hf_config)
-        gen = os.path.join(hf_dir, "generation_config.json")
-        if os.path.isfile(gen):
-            shutil.copyfile(gen, os.path.join(partial_dir, "generation_config.json"))
-        _replace_dir(partial_dir, final)
+
+        def small_files():  # rank 0: config.json, generation_config.json; then the rename
+            _write_json(os.path.join(partial_dir, "config.json"), plan.hf_config)
+            gen = os.path.join(hf_dir, "generation_config.json")
+            if os.path.isfile(gen):
+                shutil.copyfile(gen, os.path.join(partial_dir, "generation_config.json"))
+            _replace_dir(partial_dir, final)
+
+        runner.prepare(small_files)
     except BaseException:
-        shutil.rmtree(partial_dir, ignore_errors=True)
+        if runner.is_coordinator:
+            shutil.rmtree(partial_dir, ignore_errors=True)
         raise
     finally:
         bar.close()
@@ -491,7 +510,8 @@ def convert_hf_to_megatron(hf_dir: str, save: str, tp: int = 1, pp: int = 1, ep:
     return {"direction": "hf_to_megatron", "output": final, "bytes": plan.total_bytes, "seconds": seconds,
             "write_seconds": time.time() - t_write,
             "mb_per_s": plan.total_bytes / 2 ** 20 / max(seconds, 1e-9), "peak_rss_bytes": peak_rss_bytes(),
-            "tensors": len(plan.used), "mtp": include_mtp}
+            "tensors": len(plan.used), "mtp": include_mtp, "workers": runner.used_workers,
+            "worker_peak_rss_bytes": runner.worker_peak_rss}
 
 
 # ====================================================================== torch_dist -> HF
@@ -588,13 +608,16 @@ def tokenizer_dir(flag: str) -> str:
 def convert_megatron_to_hf(load: str, save: str, dtype: str = "auto", max_shard_size="5GB",
                            tokenizer: Optional[str] = None, overwrite: bool = False, progress: bool = True,
                            max_block_bytes: int = DEFAULT_CHUNK_BYTES, mtp: Optional[bool] = None,
-                           verify: bool = True) -> dict:
+                           verify: bool = True, workers: int = 1, wrap_reader: Optional[Callable] = None) -> dict:
     """torch_dist checkpoint (training or converted) -> HF directory ``save``. Returns a summary dict.
+    ``wrap_reader(reader, cfg)``: the reader the export reads through (--merge-lora: lora/export.py's merging one).
+    ``workers``: processes writing disjoint shares of the tensors (parallel.py; same output for every value).
 
     ``verify``: check the checkpoint against its manifest first (``resolve_checkpoint_dir``). ``mtp``: write the
     MTP layer (default: when the checkpoint has it; False leaves it out, as transformers' own models have none)."""
     t0 = time.time()
     final = _check_target(save, overwrite)
+    runner = Runner(workers)
     out_dtype = dtype_from_flag(dtype)
     try:
         max_shard = parse_size(max_shard_size)
@@ -611,12 +634,17 @@ def convert_megatron_to_hf(load: str, save: str, dtype: str = "auto", max_shard_
         cfg = GLM5Config.from_hf(entry.model_config)
     except ConfigError as e:
         raise ConversionError(f"{path}: recorded model config is invalid: {e}") from None
+    if wrap_reader is not None:  # --merge-lora: base + (alpha/r) B A, block by block
+        if workers > 1:
+            raise ConversionError("--merge-lora writes with one worker: leave out --workers")
+        reader = wrap_reader(reader, cfg)
     has_mtp = bool(cfg.num_nextn_predict_layers) and bool(entry.mtp)
     if mtp and not has_mtp:
         raise ConversionError(f"--mtp: {path} has no MTP layer (it was converted or trained without one); export "
                               "without --mtp")
     include_mtp = has_mtp if mtp is None else bool(mtp)
     items = plan_export(cfg, reader, include_mtp, out_dtype, path)
+    items, fp8_plan = fp8_io.plan_fp8_export(cfg, reader, include_mtp, out_dtype, items, ExportItem, path)
     by_name = {it.out.name: it for it in items}
     shards = plan_shards([it.out for it in items], max_shard)
     total = sum(it.out.nbytes for it in items)
@@ -627,53 +655,43 @@ def convert_megatron_to_hf(load: str, save: str, dtype: str = "auto", max_shard_
         log.warning("%s: %d model tensor(s) not in the GLM-5 table were not exported, e.g. %s", path, len(ignored),
                     ignored[0])
     partial_dir = final + ".partial"
-    if os.path.exists(partial_dir):
-        shutil.rmtree(partial_dir)
-    bar = _progress(total, "torch_dist -> HF", progress)
+    files, jobs, weight_map = export_layout(partial_dir, shards, lambda n_: (by_name[n_].key, by_name[n_].block),
+                                            path, max_block_bytes)
+    jobs = fp8_io.fp8_export_jobs(jobs, fp8_plan)  # FP8: quantised / dequantised tensors
+    runner.prepare(partial(_fresh_dir, partial_dir))
+    bar = _progress(total, "torch_dist -> HF", progress and runner.is_coordinator)
     t_write = time.time()
     try:
-        os.makedirs(partial_dir)
-        weight_map, n = {}, len(shards)
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            writer = SafetensorsShardWriter(os.path.join(partial_dir, name), shard)
-            for t in shard:
-                it = by_name[t.name]
-                rows = t.shape[0] if t.shape else 1
-                row_bytes = max(1, math.prod(t.shape[1:])) * max(t.dtype.itemsize, reader.dtype(it.key).itemsize)
-                step = max(1, max_block_bytes // row_bytes)
-                for r0 in range(0, rows, step):
-                    r1 = min(rows, r0 + step)
-                    offsets, sizes = it.block(r0, r1)
-                    block = reader.read_region(it.key, offsets, sizes)
-                    shape = ((r1 - r0),) + tuple(t.shape[1:]) if t.shape else ()
-                    writer.write(block.view(shape).to(t.dtype))
-                    bar.update(block.numel() * t.dtype.itemsize)
-                    del block
-                weight_map[t.name] = name
-            writer.close()
-        _write_json(os.path.join(partial_dir, "model.safetensors.index.json"),
-                    {"metadata": {"total_size": total}, "weight_map": weight_map})
-        hf_config = cfg.to_hf()
-        if out_dtype is not None:
-            hf_config["dtype"] = _HF_DTYPE_STR[out_dtype]
-            if "torch_dtype" in hf_config:
-                hf_config["torch_dtype"] = _HF_DTYPE_STR[out_dtype]
-        _write_json(os.path.join(partial_dir, "config.json"), hf_config)
-        gen = next((p for p in (os.path.join(path, "generation_config.json"),
-                                os.path.join(os.path.dirname(os.path.abspath(path)), "generation_config.json"))
-                    if os.path.isfile(p)), None)
-        if gen:
-            shutil.copyfile(gen, os.path.join(partial_dir, "generation_config.json"))
-        else:
-            _write_json(os.path.join(partial_dir, "generation_config.json"), _generation_config(cfg))
-        if tok_dir:
-            for n_ in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(tok_dir, n_)):
-                    shutil.copyfile(os.path.join(tok_dir, n_), os.path.join(partial_dir, n_))
-        _replace_dir(partial_dir, final)
+        runner.prepare(partial(create_shard_files, files))
+        runner.run(jobs, on_bytes=bar.update, marker_dir=partial_dir, resources={("torch_dist", path): reader})
+        jobs.clear()
+
+        def small_files():  # rank 0: index, config, generation config, tokenizer; then the rename
+            _write_json(os.path.join(partial_dir, "model.safetensors.index.json"),
+                        {"metadata": {"total_size": total}, "weight_map": weight_map})
+            hf_config = cfg.to_hf()
+            if out_dtype is not None and out_dtype not in FP8_DTYPES:
+                hf_config["dtype"] = _HF_DTYPE_STR[out_dtype]
+                if "torch_dtype" in hf_config:
+                    hf_config["torch_dtype"] = _HF_DTYPE_STR[out_dtype]
+            _write_json(os.path.join(partial_dir, "config.json"), fp8_io.export_hf_config(hf_config, fp8_plan))
+            gen = next((p for p in (os.path.join(path, "generation_config.json"),
+                                    os.path.join(os.path.dirname(os.path.abspath(path)), "generation_config.json"))
+                        if os.path.isfile(p)), None)
+            if gen:
+                shutil.copyfile(gen, os.path.join(partial_dir, "generation_config.json"))
+            else:
+                _write_json(os.path.join(partial_dir, "generation_config.json"), _generation_config(cfg))
+            if tok_dir:
+                for n_ in TOKENIZER_FILES:
+                    if os.path.isfile(os.path.join(tok_dir, n_)):
+                        shutil.copyfile(os.path.join(tok_dir, n_), os.path.join(partial_dir, n_))
+            _replace_dir(partial_dir, final)
+
+        runner.prepare(small_files)
     except BaseException:
-        shutil.rmtree(partial_dir, ignore_errors=True)
+        if runner.is_coordinator:
+            shutil.rmtree(partial_dir, ignore_errors=True)
         raise
     finally:
         bar.close()
@@ -682,4 +700,5 @@ def convert_megatron_to_hf(load: str, save: str, dtype: str = "auto", max_shard_
     return {"direction": "megatron_to_hf", "output": final, "bytes": total, "seconds": seconds,
             "write_seconds": time.time() - t_write,
             "mb_per_s": total / 2 ** 20 / max(seconds, 1e-9), "peak_rss_bytes": peak_rss_bytes(),
-            "tensors": len(items), "shards": len(shards), "mtp": include_mtp, "source": path}
+            "tensors": len(items), "shards": len(shards), "mtp": include_mtp, "source": path,
+            "workers": runner.used_workers, "worker_peak_rss_bytes": runner.worker_peak_rss}

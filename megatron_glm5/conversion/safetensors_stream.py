@@ -182,6 +182,11 @@ class SafetensorsSource:
             f.close()
         self._files = {}
 
+    def __getstate__(self):  # sent to conversion workers (parallel.py): each opens its own files
+        state = dict(self.__dict__)
+        state["_files"] = {}
+        return state
+
 
 # ------------------------------------------------------------------ writing
 def parse_size(text) -> int:
@@ -222,23 +227,32 @@ def plan_shards(tensors: list[OutTensor], max_shard_bytes: int) -> list[list[Out
     return shards
 
 
+def shard_header(tensors: list[OutTensor], metadata: dict | None = None) -> tuple[bytes, list[int]]:
+    """The bytes a shard starts with (8-byte length + JSON header, padded to 8) and each tensor's absolute byte
+    offset in the file: the whole layout of a shard, known before any data."""
+    header, offset = {"__metadata__": dict(metadata or {"format": "pt"})}, 0
+    relative = []
+    for t in tensors:
+        header[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [offset, offset + t.nbytes]}
+        relative.append(offset)
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
+    return head, [len(head) + r for r in relative]
+
+
 class SafetensorsShardWriter:
     """Write one safetensors file: the header first (all names/dtypes/shapes known), then each tensor's bytes in
     header order, in as many blocks as the caller likes (``write(block)``)."""
 
     def __init__(self, path: str, tensors: list[OutTensor], metadata: dict | None = None):
         self.path, self.tensors = path, tensors
-        header, offset = {"__metadata__": dict(metadata or {"format": "pt"})}, 0
-        for t in tensors:
-            header[t.name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                              "data_offsets": [offset, offset + t.nbytes]}
-            offset += t.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.total = offset
+        head, _ = shard_header(tensors, metadata)
+        self.total = sum(t.nbytes for t in tensors)
         self.f = open(path, "wb")
-        self.f.write(struct.pack("<Q", len(raw)))
-        self.f.write(raw)
+        self.f.write(head)
         self._index, self._written = 0, 0  # tensor being written, its bytes written so far
 
     def write(self, block: torch.Tensor) -> None:

@@ -122,18 +122,25 @@ class LazySavePlanner(SavePlanner):
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         return new_plan
 
-    def resolve_data(self, write_item: WriteItem):
+    def take(self, write_item: WriteItem):
+        """The item's LazyChunk (or BytesIO), forgotten by the planner (released once written)."""
         offsets = None if write_item.index.offset is None else tuple(write_item.index.offset)
-        entry = self._producers.pop((write_item.index.fqn, offsets))  # released once written
-        if isinstance(entry, io.BytesIO):
-            return entry
-        tensor = entry.produce()
-        if tuple(tensor.shape) != tuple(entry.sizes) or tensor.dtype != entry.dtype:
-            raise AssertionError(f"{entry.key} at {entry.offsets}: produced {tuple(tensor.shape)} {tensor.dtype}, "
-                                 f"planned {entry.sizes} {entry.dtype}")
-        if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
-            tensor = tensor.contiguous().clone()  # torch.save writes the whole storage
-        return tensor
+        return self._producers.pop((write_item.index.fqn, offsets))
+
+    def resolve_data(self, write_item: WriteItem):
+        entry = self.take(write_item)
+        return entry if isinstance(entry, io.BytesIO) else produce_chunk(entry)
+
+
+def produce_chunk(entry: LazyChunk) -> torch.Tensor:
+    """Run a chunk's producer, check it against the plan, and make it a tensor that owns exactly its bytes."""
+    tensor = entry.produce()
+    if tuple(tensor.shape) != tuple(entry.sizes) or tensor.dtype != entry.dtype:
+        raise AssertionError(f"{entry.key} at {entry.offsets}: produced {tuple(tensor.shape)} {tensor.dtype}, "
+                             f"planned {entry.sizes} {entry.dtype}")
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.nbytes:
+        tensor = tensor.contiguous().clone()  # torch.save writes the whole storage
+    return tensor
 
 
 class StreamingFileSystemWriter(FileSystemWriter):
@@ -193,16 +200,19 @@ class StreamingFileSystemWriter(FileSystemWriter):
 
 
 def save_lazy(path: str, chunks: Iterable[LazyChunk], objects: dict[str, io.BytesIO], final_path: str | None = None,
-              on_item=None, max_file_bytes: int = 10 * 2 ** 30, sync_files: bool = True) -> Metadata:
+              on_item=None, max_file_bytes: int = 10 * 2 ** 30, sync_files: bool = True,
+              storage_writer=None) -> Metadata:
     """Write a torch_dist checkpoint (DCP files + megatron's metadata.json) from lazily produced chunks.
 
-    Needs no process group: one process writes the global tensors (each chunk carries its global offset)."""
+    Needs no process group: one process writes the global tensors (each chunk carries its global offset).
+    ``storage_writer``: another writer (tensor_jobs.ParallelDcpWriter: the items written by worker processes);
+    one whose ``is_coordinator`` is False writes its share only, no metadata."""
     import json
 
     os.makedirs(path, exist_ok=True)
     planner = LazySavePlanner(chunks, objects)
-    writer = StreamingFileSystemWriter(path, final_path=final_path, on_item=on_item, max_file_bytes=max_file_bytes,
-                                       sync_files=sync_files)
+    writer = storage_writer or StreamingFileSystemWriter(path, final_path=final_path, on_item=on_item,
+                                                         max_file_bytes=max_file_bytes, sync_files=sync_files)
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized, assuming ... a single process": yes
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
         try:
@@ -213,8 +223,9 @@ def save_lazy(path: str, chunks: Iterable[LazyChunk], objects: dict[str, io.Byte
             if len(failures) == 1:
                 raise failures[0] from None
             raise
-    with open(os.path.join(path, MEGATRON_METADATA_FILE), "w") as f:
-        json.dump(MEGATRON_METADATA, f)
+    if getattr(writer, "is_coordinator", True):
+        with open(os.path.join(path, MEGATRON_METADATA_FILE), "w") as f:
+            json.dump(MEGATRON_METADATA, f)
     return planner.metadata
 
 
