@@ -46,6 +46,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from megatron_glm5.config import DSA_STAGES, PRESETS  # stdlib-only module: cheap to import
 from megatron_glm5.sample_limits import MAX_SAMPLE_BYTES  # stdlib-only module
 from megatron_glm5.errors import UserError
+from megatron_glm5.training import memory_options  # stdlib-only module: the memory options' flags and checks
+from megatron_glm5.training import muon_flags  # stdlib-only module: the Muon flags and checks
+from megatron_glm5.lora import flags as lora_flags  # stdlib-only module: the LoRA flags and checks
+from megatron_glm5.fp8 import flags as fp8_flags  # stdlib-only module: --base-precision and its checks
+from megatron_glm5.model import cross_entropy_flags  # stdlib-only module: --cross-entropy-fusion
 
 __all__ = [
     "ArgumentError",
@@ -289,7 +294,8 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
                        help="pack several conversations into each --seq-length row")
 
     g = p.add_argument_group("optimizer and schedule")
-    g.add_argument("--optimizer", choices=("adam",), default="adam", help="optimizer (AdamW)")
+    g.add_argument("--optimizer", choices=("adam", "muon"), default="adam",
+                   help="AdamW, or Muon for the matrices (AdamW for the rest; docs/muon.md)")
     g.add_argument("--lr", type=_nonneg_float, default=3e-3, metavar="X", help="peak learning rate")
     g.add_argument("--min-lr", type=_nonneg_float, default=3e-4, metavar="X", help="final learning rate")
     g.add_argument("--lr-warmup-iters", type=_nonneg_int, default=None, metavar="N",
@@ -429,6 +435,11 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
                         "waits for and the job stops with exit status 3")
     g.add_argument("--config", default=None, metavar="FILE.yaml",
                    help="YAML mapping of flag: value used as defaults (command-line flags override it)")
+    memory_options.add_flags(p)
+    muon_flags.add_flags(p)
+    lora_flags.add_flags(p)
+    fp8_flags.add_flags(p)
+    cross_entropy_flags.add_flags(p)
     return p
 
 
@@ -848,6 +859,7 @@ class DerivedArgs:
     split_fractions: Tuple[float, float, float]
     tensorboard_dir: Optional[str]
     peak_tflops: Optional[float]
+    lora: Any = None  # megatron_glm5.lora.config.LoRAConfig with --lora-rank, else None
 
 
 def _flag_defaults(args: argparse.Namespace) -> Dict[str, Any]:
@@ -1233,8 +1245,12 @@ def derive_args(args: argparse.Namespace, world_size: Optional[int] = None,
     d.update(_check_moe(args, flags))
     d.update(_check_schedule(args))
     d.update(_check_recompute(args, flags))
+    d.update(memory_options.check(args, d["bf16"]))
     d.update(_check_data(args))
     d.update(_check_checkpoints_and_logging(args, cuda))
+    muon_flags.check(args)
+    d.update(lora_flags.check(args, d))
+    d.update(fp8_flags.check(args, d["model_config"], cuda, check_device))
     return DerivedArgs(**d)
 
 
@@ -1282,12 +1298,12 @@ def args_to_overrides(args: argparse.Namespace) -> Dict[str, Any]:
         bf16=bf16,
         dsa_stage=args.dsa_stage,
         dsa_indexer_loss_coeff=float(args.dsa_indexer_loss_coeff),
-        dsa_freeze_indexer=bool(args.freeze_indexer),
+        dsa_freeze_indexer=bool(args.freeze_indexer) or lora_flags.freezes_indexer(args),
         dsa_backend=args.attn,
         moe_aux_loss_coeff=float(args.moe_aux_loss_coeff),
         moe_router_load_balancing_type=flags["moe_router_load_balancing_type"],
         # the dense warm-up trains the indexers alone: the routers' expert bias stays as loaded, too
-        moe_router_bias_update_rate=(0.0 if args.dsa_stage == "dense-warmup"
+        moe_router_bias_update_rate=(0.0 if args.dsa_stage == "dense-warmup" or lora_flags.keeps_router_bias(args)
                                      else float(args.moe_router_bias_update_rate)),
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         mtp_loss_scaling_factor=float(args.mtp_loss_scaling_factor),
@@ -1301,6 +1317,7 @@ def args_to_overrides(args: argparse.Namespace) -> Dict[str, Any]:
         # megatron-core's bf16 optimizers need one parameter dtype (fp32 master copies are kept for all)
         fp32_router_and_indexer_weights=not args.bf16,
     )
+    overrides.update(cross_entropy_flags.config_overrides(getattr(args, "cross_entropy_fusion", "none")))
     if args.moe_router_dtype is not None:
         overrides["moe_router_dtype"] = args.moe_router_dtype
     if getattr(args, "moe_permute_fusion", None) is not None:  # None: the model's default (on with CUDA + triton)

@@ -60,7 +60,7 @@ from megatron_glm5.checkpoint.format import (
 from megatron_glm5.config import ARCH_FIELDS, ConfigError, GLM5Config  # ARCH_FIELDS: the fields shaping weights
 from megatron_glm5.errors import UserError
 from megatron_glm5.training import fault_hooks
-from megatron_glm5.training import optimizer_state
+from megatron_glm5.training import muon_flags, optimizer_state
 from megatron_glm5.training.device import current_device
 from megatron_glm5.training.optim import ensure_optimizer_state, rescale_scheduler
 
@@ -80,10 +80,16 @@ def _barrier():
         dist.barrier()
 
 
+def _chunk_state(m) -> dict:
+    """A chunk's sharded state; a LoRA chunk's ``checkpoint_scope`` narrows it (adapters, or the base: lora/)."""
+    scope = getattr(m, "checkpoint_scope", None)
+    return scope.view(m.sharded_state_dict()) if scope is not None else m.sharded_state_dict()
+
+
 def _model_sharded_state(model_chunks) -> dict:
     if len(model_chunks) == 1:
-        return {"model": model_chunks[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(model_chunks)}
+        return {"model": _chunk_state(model_chunks[0])}
+    return {f"model{i}": _chunk_state(m) for i, m in enumerate(model_chunks)}
 
 
 def _rng_sharded_object():
@@ -109,6 +115,8 @@ def _restore_rng(rng: dict):
 
 def trainable_of(args) -> str:
     """Which parameters the optimizer holds (its state in a checkpoint covers exactly these)."""
+    if getattr(args, "lora", None) is not None:
+        return args.lora.trainable_name()  # the adapters (and the indexers with --train-indexer)
     if args.dsa_stage == "dense-warmup":
         return "indexer-only"  # the warm-up trains the lightning indexers alone
     return "all-but-indexer" if args.freeze_indexer else "all"
@@ -210,11 +218,15 @@ def _sharded_state(iteration, model_chunks, optimizer, scheduler, args, data_sta
     state["iteration"] = iteration
     state["data_state"] = data_state
     state["rng_state"] = _rng_sharded_object()
+    state[muon_flags.OPTIMIZER_FORM_KEY] = muon_flags.optimizer_form(args)
     state[RECORD_KEY] = ModelRecord(model_config=args.model_config.to_hf(), layout=layout_of(args), mode=args.mode,
                                     trainable=trainable_of(args),
                                     model_fingerprint=model_fingerprint(args.model_config),
                                     model_description=model_description(args.model_config),
                                     global_batch_size=args.global_batch_size).to_common()
+    scope = getattr(model_chunks[0], "checkpoint_scope", None)
+    if scope is not None:  # a LoRA checkpoint names its base and LoRA config (lora/checkpoint.py)
+        scope.annotate(state, RECORD_KEY)
     return state
 
 
@@ -720,6 +732,7 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
     same_layout = record.layout == layout_of(args)
     load_rng = not finetune and not args.no_load_rng and same_layout
     if load_optim:
+        muon_flags.check_resume(common.get(muon_flags.OPTIMIZER_FORM_KEY), args, path)
         ensure_optimizer_state(optimizer)
         # megatron-core pairs saved and current parameter groups by their max_lr/min_lr among other keys: build the
         # groups with the checkpoint's values so that a resume with other --lr/--min-lr flags still loads
@@ -731,8 +744,9 @@ def load_checkpoint(load: str, model_chunks, optimizer, scheduler, args) -> dict
     loaded = dist_checkpointing.load(state, path)
     for key, chunk in zip(sorted(k for k in loaded if k.startswith("model")), model_chunks):
         result = chunk.load_state_dict(loaded[key], strict=False)
+        scope = getattr(chunk, "checkpoint_scope", None)
         missing = [k for k in result.missing_keys if not k.endswith("_extra_state")
-                   and not (fresh_mtp and k.startswith("mtp."))]
+                   and not (fresh_mtp and k.startswith("mtp.")) and not (scope is not None and scope.excludes(k))]
         if missing:
             raise CheckpointMismatch(f"--load {path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}")
     if load_optim:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_glm5 import platform
-from megatron_glm5.training import fault_hooks, numerics
+from megatron_glm5.training import fault_hooks, memory_options, muon_flags, numerics
 from megatron_glm5.training.device import current_device
 from megatron_glm5.training.metrics import StepLogger, TrainingMetrics, check_tensorboard_dir
 
@@ -63,6 +63,7 @@ class _ExitSignal:
 
 def build_model_chunks(args):
     from megatron_glm5.arguments import args_to_overrides
+    from megatron_glm5.lora.apply import apply_lora
     from megatron_glm5.model.init import initialize_by_global_identity
     from megatron_glm5.model.model import build_model
 
@@ -75,13 +76,16 @@ def build_model_chunks(args):
     chunks = []
     for stage in range(vpp):
         vp_stage = stage if vpp > 1 else None
-        model = build_model(args.model_config, mtp=args.mtp, vp_stage=vp_stage, **overrides)
+        model = build_model(args.model_config, mtp=args.mtp, vp_stage=vp_stage,
+                            base_precision=getattr(args, "base_precision", "bf16"), **overrides)
         if warmup:
             _train_only_indexers(model)
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
         if not args.load:  # from scratch: the same --seed gives the same model at every layout (model/init.py)
             initialize_by_global_identity(model, args.seed)
+        if getattr(args, "lora", None) is not None:  # adapters on a frozen base (megatron_glm5/lora/)
+            apply_lora(model, args.lora, args.seed)
         chunks.append(model)
     return chunks
 
@@ -101,8 +105,8 @@ def wrap_ddp(args, chunks):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
+        **memory_options.ddp_config_values(args), overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=muon_flags.ddp_shards_grads(args),
         check_for_nan_in_grad=False, bucket_size=None)
     return [DistributedDataParallel(config=m.config, ddp_config=ddp_cfg, module=m,
                                     disable_bucketing=(i > 0)) for i, m in enumerate(chunks)]
@@ -289,7 +293,11 @@ def _train(args, session: "_Session") -> int:
 
     iteration, data_state = 0, {}
     session.beat(0, "load")
-    if args.load:
+    if getattr(args, "lora", None) is not None:  # the base's weights, then this run's adapters (lora/checkpoint.py)
+        from megatron_glm5.lora import checkpoint as lora_checkpoint
+        resumed = lora_checkpoint.load(args, [m.module for m in model], optimizer, scheduler)
+        iteration, data_state = resumed["iteration"], resumed["data_state"]
+    elif args.load:
         resumed = checkpointing.load_checkpoint(args.load, [m.module for m in model], optimizer, scheduler, args)
         iteration, data_state = resumed["iteration"], resumed["data_state"]
     SKIPPED_SAMPLES.clear()  # filled by the readers (--skip-bad-samples), reported at the end

@@ -5,6 +5,8 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_glm5.training import memory_options
+
 
 def build_optimizer(args, model_chunks):
     cfg = OptimizerConfig(
@@ -12,8 +14,11 @@ def build_optimizer(args, model_chunks):
         adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
         clip_grad=args.clip_grad, bf16=args.bf16, fp16=False, params_dtype=args.params_dtype,
         use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_param_gather=args.overlap_param_gather,
+        overlap_param_gather=args.overlap_param_gather, **memory_options.optimizer_config_values(args),
     )
+    if args.optimizer == "muon":
+        from megatron_glm5.training import muon_setup
+        return muon_setup.build(args, cfg, model_chunks)
     return get_megatron_optimizer(cfg, model_chunks)
 
 
@@ -52,17 +57,12 @@ def rescale_scheduler(scheduler: OptimizerParamScheduler, args) -> None:
 
 
 def ensure_optimizer_state(optimizer) -> None:
-    """Give every Adam parameter its (zero) state before loading a checkpoint into it.
+    """Give every parameter its (zero) optimizer state before loading a checkpoint into it.
 
     Without TE/Apex, megatron-core's optimizers build the sharded optimizer state dict from torch Adam's state,
-    which is empty before the first step; loading would then find nothing to fill.
+    which is empty before the first step; loading would then find nothing to fill. Muon's: one momentum buffer.
     """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                st = inner.state[p]
-                if not st:
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p.data)
-                    st["exp_avg_sq"] = torch.zeros_like(p.data)
+    from megatron_glm5.training.muon_setup import init_torch_state, leaf_optimizers
+
+    for opt in leaf_optimizers(optimizer):
+        init_torch_state(opt.optimizer)
