@@ -59,7 +59,9 @@ def quantize_blocks_reference(w: torch.Tensor, block: int = BLOCK) -> Tuple[torc
     n, k = w.shape[-2:]
     blocks = _padded_blocks(w.to(torch.float32), block)
     amax = blocks.abs().amax(dim=(-3, -1))
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor: CUDA turns division by a Python scalar into a multiplication by its reciprocal, which
+    # differs from true division in the last bit for about half the blocks (CPU and the Triton kernel divide)
+    scale_inv = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (w.to(torch.float32) / _expand(scale_inv, n, k, block)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale_inv.contiguous()
 
