@@ -100,6 +100,101 @@ def test_only_adapters_get_gradients_and_the_base_stays_bitwise(adapted):
             assert torch.equal(p, base_before[n]), n
 
 
+class _MemoryReader:
+    """A reader over in-memory tensors with TorchDistReader's interface (MergingReader reads blocks through it)."""
+
+    def __init__(self, sd):
+        self.sd = sd
+
+    def __contains__(self, key):
+        return key in self.sd
+
+    def tensor_keys(self):
+        return list(self.sd)
+
+    def dtype(self, key):
+        return self.sd[key].dtype
+
+    def shape(self, key):
+        return tuple(self.sd[key].shape)
+
+    def read_region(self, key, offsets, sizes):
+        return self.sd[key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
+
+
+def _dequantized(q, s, groups=1):
+    """q * scale_inv with every element's own 128x128 block scale, written out element by element's block index."""
+    *lead, n, k = q.shape
+    per = n // groups
+    rows = torch.arange(n)
+    block_row = (rows // per) * ((per + 127) // 128) + (rows % per) // 128
+    block_col = torch.arange(k) // 128
+    return q.float() * s[..., block_row[:, None], block_col[None, :]]
+
+
+def _bf16_close(got, want):
+    """``got`` is ``want`` rounded once to bf16 (one bf16 step apart at most: the product B A is summed in
+    another order for a region than for the whole matrix); a wrong scale block or offset is off by far more."""
+    return torch.allclose(got.float(), want, rtol=2 ** -7, atol=1e-6)
+
+
+def test_merging_reader_on_an_fp8_base_dequantises_then_adds(adapted):
+    """An FP8 base (the e4m3 values and block scales of quantize_blocks) merged: every adapted weight reads as
+    dequant(q, s) + (alpha/r) B A in bf16, also for regions that start and end inside a 128 block, for an expert
+    weight1 [E, 2, I, H], and for a gated fc1 whose gate and up halves have block grids of their own; their scales
+    are no longer listed and the weights read as bf16, so the exporter quantises the merged weights again."""
+    from megatron_glm5.fp8.blocks import BLOCK, quantize_blocks
+    from megatron_glm5.lora.export import MergingReader
+
+    hf, ours, cfg, lora, path = adapted
+    adapters = _adapters(ours)
+    g = torch.Generator().manual_seed(9)
+    key, m = "decoder.layers.1.self_attention.linear_kv_up_proj.weight", "decoder.layers.1.self_attention.linear_kv_up_proj."
+    ek, e = "decoder.layers.2.mlp.experts.weight1", "decoder.layers.2.mlp.experts."
+    n, k = adapters[m + "lora_b"].shape[0], adapters[m + "lora_a"].shape[1]
+    big = torch.randn(n + 300, k + 200, generator=g)  # a weight of several blocks in each direction
+    sd = {}
+    q, s = quantize_blocks(big)
+    sd["big.weight"], sd["big.weight" + "_scale_inv"] = q, s
+    r = 4
+    big_adapters = {"big.lora_a": torch.randn(r, big.shape[1], generator=g),
+                    "big.lora_b": torch.randn(big.shape[0], r, generator=g)}
+    w1 = ours.state_dict()[ek].detach()
+    sd[ek], sd[ek + "_scale_inv"] = quantize_blocks(w1.view(-1, *w1.shape[2:]))  # per (expert, gate/up) grid
+    sd[ek] = sd[ek].view(w1.shape)
+    sd[ek + "_scale_inv"] = sd[ek + "_scale_inv"].view(*w1.shape[:2], *sd[ek + "_scale_inv"].shape[1:])
+    gate_up = torch.randn(2 * 200, 300, generator=g)  # a gated fc1: [gate; up], each 200 rows with its own grid
+    qg, sg = zip(*(quantize_blocks(h) for h in gate_up.split(200)))
+    sd["mlp.linear_fc1.weight"], sd["mlp.linear_fc1.weight_scale_inv"] = torch.cat(qg), torch.cat(sg)
+    gated_adapters = {"mlp.linear_fc1.lora_a": torch.randn(r, 300, generator=g), "mlp.linear_fc1.lora_b": torch.randn(400, r, generator=g)}
+    sd["plain.weight"] = torch.randn(8, 8, generator=g)  # not adapted, not FP8: read as stored
+    merged = MergingReader(_MemoryReader(sd), {**adapters, **big_adapters, **gated_adapters}, lora)
+
+    scaling = lora.alpha / lora.rank
+    want = _dequantized(q, s) + scaling * big_adapters["big.lora_b"] @ big_adapters["big.lora_a"]
+    for off, size in (((0, 0), tuple(big.shape)), ((130, 70), (200, 129)), ((255, 383), (3, 2))):
+        got = merged.read_region("big.weight", off, size)
+        assert got.dtype == torch.bfloat16
+        sl = tuple(slice(o, o + z) for o, z in zip(off, size))
+        assert _bf16_close(got, want[sl]), off
+    d = torch.einsum("eor,erh->eoh", adapters[e + "lora_b1"], adapters[e + "lora_a1"]) * scaling
+    want = _dequantized(sd[ek], sd[ek + "_scale_inv"]) + d.view(w1.shape)
+    got = merged.read_region(ek, (2, 1, 0, 3), (3, 1, w1.shape[2], 4))
+    assert got.dtype == torch.bfloat16 and _bf16_close(got, want[2:5, 1:2, :, 3:7])
+    want = _dequantized(sd["mlp.linear_fc1.weight"], sd["mlp.linear_fc1.weight_scale_inv"], groups=2) + \
+        scaling * gated_adapters["mlp.linear_fc1.lora_b"] @ gated_adapters["mlp.linear_fc1.lora_a"]
+    assert BLOCK == 128 and sd["mlp.linear_fc1.weight_scale_inv"].shape[0] == 4  # 2 x ceil(200 / 128), not ceil(400 / 128)
+    for off, size in (((0, 0), (200, 300)), ((200, 0), (200, 300)), ((330, 129), (40, 100))):
+        sl = tuple(slice(o, o + z) for o, z in zip(off, size))
+        assert _bf16_close(merged.read_region("mlp.linear_fc1.weight", off, size), want[sl]), off
+    assert merged.dtype("big.weight") == merged.dtype(ek) == torch.bfloat16
+    keys = merged.tensor_keys()
+    assert "big.weight_scale_inv" not in keys and "mlp.linear_fc1.weight_scale_inv" not in keys and "big.weight" in keys
+    assert "big.weight_scale_inv" not in merged
+    assert torch.equal(merged.read_region("plain.weight", (1, 2), (3, 4)), sd["plain.weight"][1:4, 2:6])
+    assert merged.dtype("plain.weight") == torch.float32
+
+
 def test_merging_reader_adds_scaled_product(adapted):
     from megatron_glm5.lora.export import MergingReader
 
@@ -107,11 +202,7 @@ def test_merging_reader_adds_scaled_product(adapted):
     adapters = _adapters(ours)
     sd = {k: v.detach() for k, v in ours.state_dict().items() if not k.endswith("_extra_state")}
 
-    class Plain:  # a reader over the in-memory base (MergingReader reads blocks through read_region)
-        def read_region(self, key, offsets, sizes):
-            return sd[key][tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
-
-    merged = MergingReader(Plain(), adapters, lora)
+    merged = MergingReader(_MemoryReader(sd), adapters, lora)
     key = "decoder.layers.1.self_attention.linear_kv_up_proj.weight"
     m = "decoder.layers.1.self_attention.linear_kv_up_proj."
     want = sd[key] + (lora.alpha / lora.rank) * adapters[m + "lora_b"] @ adapters[m + "lora_a"]

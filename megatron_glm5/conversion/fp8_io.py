@@ -37,10 +37,10 @@ from megatron_glm5.conversion.safetensors_stream import OutTensor
 from megatron_glm5.conversion.tensor_jobs import ExportTensorJob, LayoutMismatch
 from megatron_glm5.conversion.torch_dist_stream import TorchDistReader
 from megatron_glm5.errors import UserError
-from megatron_glm5.fp8.blocks import BLOCK, FP8_DTYPE, dequantize_blocks, quantize_blocks
+from megatron_glm5.fp8.blocks import BLOCK, FP8_DTYPE, SCALE_SUFFIX, dequantize_blocks, quantize_blocks
 
 HF_SCALE_SUFFIX = "weight_scale_inv"  # HF: <module>.weight -> <module>.weight_scale_inv
-MCORE_SCALE_SUFFIX = "_scale_inv"  # megatron: <tensor> -> <tensor>_scale_inv (fp8/modules.py)
+MCORE_SCALE_SUFFIX = SCALE_SUFFIX  # megatron: <tensor> -> <tensor>_scale_inv (fp8/blocks.py)
 MODULES_TO_NOT_CONVERT = ["lm_head", "model.embed_tokens", "mlp.gate", "indexer.weights_proj", "eh_proj",
                           "shared_head"]
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

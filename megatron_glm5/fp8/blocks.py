@@ -26,6 +26,7 @@ import torch
 
 BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
+SCALE_SUFFIX = "_scale_inv"  # megatron: a weight ``name``'s scales are ``name + SCALE_SUFFIX`` (HF: weight_scale_inv)
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -88,6 +89,36 @@ def dequantize_blocks(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dty
     n, k = q.shape[-2:]
     return (q.to(torch.float32) * _expand(scale_inv.to(torch.float32), n, k, block)).to(dtype)
 
+
+
+def dequantize_region(read, weight_shape, scale_shape_, offsets, sizes, groups: int = 1,
+                      dtype: torch.dtype = torch.float32, block: int = BLOCK) -> torch.Tensor:
+    """``w[region]`` of a stored FP8 weight, read through ``read(which, offsets, sizes)`` (``which`` "weight" or
+    "scale") without reading more than the region's own scale blocks.
+
+    The scales sit on the last two dims, leading dims one to one. A weight whose rows are ``groups`` stacked HF
+    tensors with a block grid each (a gated fc1 [gate; up]: ``scale rows = 2 * ceil(N / 2 / 128)``) says so by
+    ``groups`` (the scale shape alone cannot tell: 2 x ceil(200 / 128) = ceil(400 / 128)); the region must then
+    lie inside one group, as every HF tensor's does."""
+    *lead, n, k = weight_shape
+    if n % groups or tuple(scale_shape_[-2:]) != (groups * math.ceil(n // groups / block), math.ceil(k / block)):
+        raise ValueError(f"scales of shape {list(scale_shape_)} do not fit a weight of shape {list(weight_shape)} "
+                         f"as {groups} stacked grid(s) of {block}x{block} blocks")
+    rows_per_group = n // groups
+    *lead_off, r, c = offsets
+    *lead_size, nr, nc = sizes
+    g = r // rows_per_group
+    if (r + nr - 1) // rows_per_group != g:
+        raise ValueError(f"rows {r}:{r + nr} cross the boundary of the two stacked block grids at {rows_per_group}")
+    r_in = r - g * rows_per_group
+    sr0, sr1 = r_in // block, math.ceil((r_in + nr) / block)
+    sc0, sc1 = c // block, math.ceil((c + nc) / block)
+    g_off = g * math.ceil(rows_per_group / block)
+    s = read("scale", tuple(lead_off) + (g_off + sr0, sc0), tuple(lead_size) + (sr1 - sr0, sc1 - sc0))
+    s = s.to(torch.float32).repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
+    s = s[..., r_in - sr0 * block:r_in - sr0 * block + nr, c - sc0 * block:c - sc0 * block + nc]
+    q = read("weight", tuple(offsets), tuple(sizes))
+    return (q.to(torch.float32) * s).to(dtype)
 
 def _kernel(name: str):
     """A function of the optional GPU module ``megatron_glm5.ops.triton_fp8_gemm``, or None when it is absent."""

@@ -11,9 +11,7 @@ from typing import Callable, Dict, List
 
 import torch
 
-from megatron_glm5.fp8.blocks import FP8_DTYPE, quantize_blocks
-
-SCALE_SUFFIX = "_scale_inv"
+from megatron_glm5.fp8.blocks import FP8_DTYPE, SCALE_SUFFIX, quantize_blocks
 
 
 def is_fp8(data: torch.Tensor) -> bool:

@@ -36,12 +36,11 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 
 from megatron_glm5.errors import UserError
 from megatron_glm5.fp8.flags import held_whole, shard_cuts
-from megatron_glm5.fp8.blocks import BLOCK, FP8_DTYPE, dequantize_blocks, quantize_blocks
+from megatron_glm5.fp8.blocks import BLOCK, FP8_DTYPE, SCALE_SUFFIX, dequantize_blocks, quantize_blocks
 from megatron_glm5.fp8.matmul import fp8_grouped_linear, fp8_linear
 from megatron_glm5.model.moe import GLM5GroupedExperts
 from megatron_glm5.model.params import param_device
 
-SCALE_SUFFIX = "_scale_inv"  # a weight ``name``'s scales are ``name + SCALE_SUFFIX`` (HF: weight_scale_inv)
 
 
 class FP8LayoutError(UserError, ValueError):

@@ -24,6 +24,7 @@ import torch
 
 from megatron_glm5.checkpoint.format import COMMON_KEY as CKPT_COMMON_KEY, model_fingerprint
 from megatron_glm5.errors import UserError
+from megatron_glm5.fp8.blocks import FP8_DTYPE, SCALE_SUFFIX, dequantize_region
 from megatron_glm5.lora.checkpoint import COMMON_KEY
 from megatron_glm5.lora.config import LoRAConfig
 
@@ -151,17 +152,42 @@ def write_peft(load: str, save: str, dtype=None, overwrite: bool = False) -> dic
 
 
 class MergingReader:
-    """A TorchDistReader of the base whose adapted weights read as base + (alpha/r) B A (``--merge-lora``)."""
+    """A TorchDistReader of the base whose adapted weights read as base + (alpha/r) B A (``--merge-lora``).
+
+    An adapted weight stored in FP8 (a ``--base-precision fp8`` base) reads as bf16: its e4m3 values times their
+    block scales, plus the product, in fp32, rounded once; its scales are no longer listed (the exporter then
+    quantises the merged weight again for an FP8 export, or writes it as it is for ``--dtype bf16/fp32``)."""
 
     def __init__(self, reader, adapters: dict, lora: LoRAConfig):
         self._reader, self._scaling = reader, lora.scaling
         self._adapters = adapters
+        modules = {k.rsplit(".", 1)[0] for k in adapters}
+        self._fp8_merged = {  # adapted FP8 weight -> its scale key
+            k: k + SCALE_SUFFIX for k in reader.tensor_keys()
+            if reader.dtype(k) == FP8_DTYPE and (k + SCALE_SUFFIX) in reader
+            and k.rsplit(".", 1)[0] in modules and k.rsplit(".", 1)[1] in ("weight", "weight1", "weight2")
+            and self._pair(k.rsplit(".", 1)[0], k.rsplit(".", 1)[1][6:]) is not None}
+        self._hidden = set(self._fp8_merged.values())
 
     def __getattr__(self, name):
         return getattr(self._reader, name)
 
     def __contains__(self, key):
-        return key in self._reader
+        return key in self._reader and key not in self._hidden
+
+    def tensor_keys(self) -> list:
+        return [k for k in self._reader.tensor_keys() if k not in self._hidden]
+
+    def dtype(self, key: str):
+        return torch.bfloat16 if key in self._fp8_merged else self._reader.dtype(key)
+
+    def _read_fp8(self, key: str, offsets, sizes) -> torch.Tensor:
+        scale_key = self._fp8_merged[key]
+        keys = {"weight": key, "scale": scale_key}
+        # a gated MLP's fc1 [gate; up] holds a block grid per half (fp8/modules.py FP8GatedColumnParallelLinear)
+        groups = 2 if key.endswith("linear_fc1.weight") else 1
+        return dequantize_region(lambda which, o, s: self._reader.read_region(keys[which], o, s),
+                                 self._reader.shape(key), self._reader.shape(scale_key), offsets, sizes, groups)
 
     def _pair(self, module: str, which: str = ""):
         a = self._adapters.get(f"{module}.lora_a{which}")
@@ -189,13 +215,13 @@ class MergingReader:
         return d[(slice(None),) + tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:]))]
 
     def read_region(self, key: str, offsets, sizes) -> torch.Tensor:
+        if key in self._fp8_merged:
+            base = self._read_fp8(key, tuple(offsets), tuple(sizes))
+            return (base + self._delta(key, tuple(offsets), tuple(sizes))).to(torch.bfloat16)
         base = self._reader.read_region(key, offsets, sizes)
         delta = self._delta(key, tuple(offsets), tuple(sizes))
         if delta is None:
             return base
-        if base.dtype.itemsize == 1:
-            raise LoRAExportError(f"--merge-lora: {key} is stored in FP8 in the base checkpoint; merging into an FP8 "
-                                  "base is not supported yet: export the base as bf16 first")
         return (base.float() + delta).to(base.dtype)
 
 
