@@ -28,6 +28,7 @@ W to bf16 first; a kernel that keeps the fp32 product is closer to the exact val
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import torch
@@ -36,8 +37,21 @@ import torch.nn.functional as F
 from megatron_glm5.fp8.blocks import _kernel, dequantize_blocks
 
 
+_logger = logging.getLogger("megatron_glm5.fp8")
+_warned = set()
+
+
 def _gpu_kernel(x: torch.Tensor, name: str):
-    return _kernel(name) if x.is_cuda else None
+    """The Triton kernel ``name`` for a CUDA tensor; None on CPU. On a GPU without it (triton not installed) the
+    dequantising reference runs instead, one weight at a time: slower, and said once per kernel."""
+    if not x.is_cuda:
+        return None
+    k = _kernel(name)
+    if k is None and name not in _warned:
+        _warned.add(name)
+        _logger.warning("FP8 base: the Triton kernel %s is unavailable (pip install triton); using the dequantising "
+                        "torch reference, which is much slower", name)
+    return k
 
 
 def _linear_fwd(x2d, q, s):
