@@ -4,8 +4,12 @@
     python tools/generate.py --hf-dir /models/GLM-5.3 --prompts-file prompts.jsonl --temperature 0.7 --top-p 0.95
     python tools/generate.py --load runs/sft --eval held_out.jsonl
 
-One process: the checkpoint (any layout it was trained at) is loaded whole into one model (api.load_checkpoint /
-api.from_hf_pretrained), without its MTP layer. docs/generation.md is the guide.
+    torchrun --nproc-per-node 4 tools/generate.py --load runs/sft --tp 2 --pp 2 --prompt "Hi" --greedy
+
+One process (python): the checkpoint (any layout it was trained at) is loaded whole into one model
+(api.load_checkpoint / api.from_hf_pretrained), without its MTP layer. Under torchrun, or with a layout flag
+(--tp/--pp/--ep/...): the training scripts' layout, model and checkpoint loading, each rank decoding its part
+(generation/parallel.py). docs/generation.md is the guide.
 """
 from __future__ import annotations
 
@@ -17,13 +21,13 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
-from megatron_glm5.errors import UserError
+from megatron_glm5.arguments import ArgumentError
 
 DEFAULT_BATCH = 8
 
 
-class GenerateError(UserError, ValueError):
-    """A flag or input of tools/generate.py the user must change."""
+class GenerateError(ArgumentError):
+    """A flag or input of tools/generate.py the user must change (under torchrun rank 0 alone reports it)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,17 +69,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="sampling seed (default: random, printed)")
     gen.add_argument("--batch-size", type=int, default=DEFAULT_BATCH, help="prompts decoded together")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    gen.add_argument("--dump-logits", metavar="FILE", help="debugging: save every step's logits (torch.save: one "
+                     "[batch, vocab] fp32 tensor per step, batch after batch) of the rank that samples")
     ev = p.add_argument_group("evaluation")
     ev.add_argument("--eval", metavar="FILE", help="perplexity on a jsonl of {\"text\": ...} / {\"messages\": "
                     "[...]} records instead of generating")
+    from megatron_glm5.generation import parallel
+    parallel.add_flags(p)
     return p
 
 
 def _check_args(args) -> None:
-    world = os.environ.get("WORLD_SIZE", "1")
-    if world.isdigit() and int(world) > 1:
-        raise GenerateError(f"tools/generate.py runs in one process (WORLD_SIZE={world}): it loads a checkpoint "
-                            "of any layout into one model; launch it with python, not torchrun")
+    from megatron_glm5.generation import parallel
+
+    world = parallel.world_size()
+    args.parallel = parallel.requested(args, world)
+    if args.parallel:
+        parallel.check_flags(args, world)
     if (args.load is None) == (args.hf_dir is None):
         raise GenerateError("give exactly one of --load (a training checkpoint) or --hf-dir (a converted HF "
                             "directory)")
@@ -102,8 +112,12 @@ def _check_args(args) -> None:
 
 
 def _load(args):
+    """(model, stage): the whole model in this process (stage None), or this rank's part of a parallel layout."""
     import torch
 
+    if args.parallel:
+        from megatron_glm5.generation import parallel
+        return parallel.load_model(parallel.check(args, parallel.world_size()))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype or ("bf16" if device == "cuda" else "fp32")]
     from megatron_glm5.api import from_hf_pretrained, load_checkpoint
@@ -113,7 +127,7 @@ def _load(args):
                                 dsa_backend=args.attn)
     else:
         model = from_hf_pretrained(args.hf_dir, dtype=dtype, device=device, mtp=False, dsa_backend=args.attn)
-    return model
+    return model, None
 
 
 class _DropTooLongWarning(logging.Filter):
@@ -176,32 +190,42 @@ def read_prompts(args, tok) -> List[tuple]:
     return prompts
 
 
-def _run_eval(args, model, tok) -> int:
+def _run_eval(args, model, tok, stage=None) -> int:
     from megatron_glm5.generation.perplexity import perplexity
 
     t0 = time.time()
-    result = perplexity(model, tok, args.eval)
+    result = perplexity(model, tok, args.eval, stage=stage)
     result["seconds"] = round(time.time() - t0, 3)
+    if stage is not None and not stage.is_lead:
+        return 0
     print(f"eval {args.eval}: {result['records']} records, {result['tokens']} predicted tokens, mean NLL "
           f"{result['nll']:.6f}, ppl {result['ppl']:.4f}")
     print("eval " + json.dumps(result, sort_keys=True))
     return 0
 
 
-def _run_generate(args, model, tok) -> int:
-    from megatron_glm5.generation.decode import check_prompts, generate, model_max_positions
+def _run_generate(args, model, tok, stage=None) -> int:
+    import torch
+
+    from megatron_glm5.generation.decode import check_prompts, generate, model_device, model_max_positions
     from megatron_glm5.generation.sampling import Sampler, SamplingParams, stop_token_ids
 
     params = SamplingParams(greedy=args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed)
     prompts = read_prompts(args, tok)
     check_prompts([ids for _, ids in prompts], model_max_positions(model))  # numbered over all prompts
-    sampler = Sampler(params, device=model.output_layer.weight.device)
+    lead = stage is None or stage.is_lead  # the rank that samples and prints
+    sampler = Sampler(params, device=model_device(model)) if lead else None
     stops = stop_token_ids(model.glm5_config.eos_token_id, tok)
+    dumped = [] if args.dump_logits and lead else None
+    on_logits = None if dumped is None else (lambda logits: dumped.append(logits.detach().float().cpu()))
     t0, n_tokens = time.time(), 0
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start:start + args.batch_size]
-        results = generate(model, [ids for _, ids in chunk], args.max_new_tokens, params, stops, sampler=sampler)
+        results = generate(model, [ids for _, ids in chunk], args.max_new_tokens, params, stops, sampler=sampler,
+                           stage=stage, on_logits=on_logits)
+        if not lead:
+            continue
         for k, ((label, ids), res) in enumerate(zip(chunk, results)):
             n_tokens += len(res.tokens)
             body = res.tokens[:-1] if res.finish_reason == "stop" else res.tokens
@@ -213,6 +237,10 @@ def _run_generate(args, model, tok) -> int:
             else:
                 print(f"--- {start + k + 1} ({len(ids)} prompt tokens, {len(res.tokens)} generated, "
                       f"{res.finish_reason})\n{text}", flush=True)
+    if not lead:
+        return 0
+    if dumped is not None:
+        torch.save(dumped, args.dump_logits)
     seconds = time.time() - t0
     print(f"generated {n_tokens} tokens for {len(prompts)} prompt(s) in {seconds:.2f} s "
           f"({n_tokens / max(seconds, 1e-9):.1f} tokens/s); sampling seed {sampler.seed}"
@@ -223,6 +251,8 @@ def _run_generate(args, model, tok) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     _check_args(args)
-    model = _load(args)
+    model, stage = _load(args)
     tok = _tokenizer(args, model)
-    return _run_eval(args, model, tok) if args.eval is not None else _run_generate(args, model, tok)
+    if args.eval is not None:
+        return _run_eval(args, model, tok, stage)
+    return _run_generate(args, model, tok, stage)

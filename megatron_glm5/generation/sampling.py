@@ -6,6 +6,7 @@ smallest set of most likely tokens whose probability reaches ``top_p`` (the most
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -61,7 +62,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, device="cpu"):
         self.params = params
-        self.seed = params.seed if params.seed is not None else int(torch.randint(0, 2 ** 31 - 1, ()).item())
+        # without a seed: the OS's entropy (torch's generator is seeded by the parallel set-up, platform.py)
+        self.seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little") % (2 ** 31 - 1)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(self.seed)
 
