@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,25 @@ def _script(name: str, cwd: Path, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+def _scripts_at_once(cwd: Path, *runs) -> list:
+    """Several (NAME, *extra) example scripts started together (each one process on its own core), as _script."""
+    procs = []
+    for name, *extra in runs:
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        procs.append((subprocess.Popen(["bash", str(cwd / "examples" / name), *extra], cwd=cwd, env=entry_env(),
+                                       stdout=out, stderr=err, text=True), out, err))
+    done = []
+    for p, out, err in procs:
+        p.wait(timeout=600)
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read())
+            f.close()
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, *texts))
+    return done
+
+
 @pytest.fixture
 def clone(tmp_path):
     """A working copy of the repository's user-facing files (entry scripts, examples, package by symlink)."""
@@ -61,9 +81,9 @@ def test_readme_command_examples_and_again_keep_every_run(clone):
     assert str(run1.relative_to(clone)) in first.stdout + first.stderr  # the directory is printed at start
     before = _fingerprint(run1)
 
-    sft = _script("tiny_cpu_sft.sh", clone, *SHORT)
+    # the two single-process scripts write different run roots: they run at once, both after the first command
+    sft, pre = _scripts_at_once(clone, ("tiny_cpu_sft.sh", *SHORT), ("tiny_cpu_pretrain.sh", *SHORT))
     assert sft.returncode == 0, sft.stderr[-3000:]
-    pre = _script("tiny_cpu_pretrain.sh", clone, *SHORT)
     assert pre.returncode == 0, pre.stderr[-3000:]
     lay = _script("tiny_cpu_layouts.sh", clone, "--train-iters", "2", "--lr-warmup-iters", "0", "--eval-iters", "0",
                   "--save-interval", "2")
@@ -93,30 +113,35 @@ def test_summary_nothing_left_to_train_and_eval_only(tmp_path):
     assert "run summary: 4 iterations (0 -> 4)" in out and f"checkpoint:  {save}/iter_0000004" in out
     assert f"--load {save} --save {save}" in out and "tools/convert_megatron_to_hf.py --load" in out
     kept = _fingerprint(save)
-    again = check_ok(run_entry("finetune", SHORT + ["--load", save], tmp_path))
+    # the three runs below only read the checkpoint: they start together
+    again, ev, no_load = run_entries([("finetune", SHORT + ["--load", save], tmp_path),
+                                      ("finetune", ["--eval-only", "--load", save, "--eval-iters", "2"], tmp_path),
+                                      ("finetune", ["--eval-only"], tmp_path)])
+    check_ok(again)
     assert "nothing to train: the checkpoint is at iteration 4 and --train-iters is 4" in again.stdout + again.stderr
-    ev = check_ok(run_entry("finetune", ["--eval-only", "--load", save, "--eval-iters", "2"], tmp_path))
+    check_ok(ev)
     line = [l for l in (ev.stdout + ev.stderr).splitlines() if "evaluation of" in l]
     assert line and "(iteration 4): lm loss " in line[0] and "ppl " in line[0], ev.stdout[-2000:]
     assert {k: v for k, v in _fingerprint(save).items() if "tensorboard" not in k} == \
         {k: v for k, v in kept.items() if "tensorboard" not in k}  # no checkpoint written by either
-    assert_user_error(run_entry("finetune", ["--eval-only"], tmp_path), "--eval-only needs --load")
+    assert_user_error(no_load, "--eval-only needs --load")
 
 
 def test_fresh_run_into_a_used_save_is_refused_then_overwrite_and_resume(tmp_path):
     save = tmp_path / "mine"
     check_ok(run_entry("finetune", SHORT + ["--save", save], tmp_path))
     kept = _fingerprint(save)
-    refused = run_entry("finetune", SHORT + ["--save", save, "--lr", "2e-3"], tmp_path)
+    # both refused at start, and both only read the run: they start together
+    refused, other = run_entries([("finetune", SHORT + ["--save", save, "--lr", "2e-3"], tmp_path),
+                                  ("finetune", SHORT + ["--load", save, "--preset", "tiny-indexshare"], tmp_path)])
     msg = assert_user_error(refused, f"--save {save} already holds run", "iteration 4", "--overwrite")
     assert "--load" in msg and _fingerprint(save) == kept
+    assert_user_error(other, "another model")
     # continuing it (same model) takes the run's own checkpoint
     cont = check_ok(run_entry("finetune", ["--train-iters", "6", "--lr-warmup-iters", "1", "--log-interval", "2",
                                            "--eval-interval", "2", "--eval-iters", "1", "--resume", "--save", save],
                               tmp_path))
     assert "resumed from" in cont.stdout and latest_iteration(save) == 6
-    other = run_entry("finetune", SHORT + ["--load", save, "--preset", "tiny-indexshare"], tmp_path)
-    assert_user_error(other, "another model")
     check_ok(run_entry("finetune", SHORT + ["--save", save, "--overwrite"], tmp_path))
     assert latest_iteration(save) == 4 and not (save / "iter_0000006").exists()
 
