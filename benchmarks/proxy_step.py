@@ -2,7 +2,7 @@
 GlmMoeDsaForCausalLM, in the same process, on the same config and the same random tokens.
 
     python benchmarks/proxy_step.py [--preset glm5 --layers 4 --dense 3 --seq 4096 --attn triton] [--json out.json]
-        [--cross-entropy-fusion chunked] [--impls ours]
+        [--cross-entropy-fusion chunked] [--impls ours] [--fusions none,auto] [--profile 40]
 
 Default model: GLM-5 width, 4 layers (3 dense + 1 MoE with all 256 experts), no MTP, bf16, batch 1 x 4096 tokens
 (the shape of the transformers baseline in ../shared/GLM5_REFERENCE.md: 274 ms/step, 14.9k tokens/s).
@@ -13,6 +13,10 @@ fit one GPU with 256 experts). Gradients are dropped (set to None) between steps
 Timing: CUDA events around forward + backward, after --warmup steps, median of --steps, fresh random token ids for
 every step. Model FLOPs from megatron_glm5.training.flops (sparse attention at top-k, the indexer over the causal
 window, 3x forward); MFU against --peak-tflops (751: the bf16 8192^3 matmul measured on the H200).
+``--profile N``: one more step under torch.profiler per impl: its N most expensive ops, and on a GPU the step's
+kernels by category (GEMMs, grouped experts, sparse attention, indexer, KL, MoE permute, elementwise, copies,
+other; ``CATEGORIES`` classifies kernels by name) printed side by side and written to the JSON.
+``--fusions none,auto``: ours before and after the fused elementwise regions (model/fusions.py) in one run.
 On a CPU (``--device cpu``, fp32, a tiny preset) the same code runs as a smoke test with perf_counter timing.
 """
 from __future__ import annotations
@@ -60,12 +64,21 @@ class _Timer:
 
 
 def build_ours(cfg: GLM5Config, dtype, device, attn: str, indexer_loss_coeff: float, permute_fusion=None,
-               cross_entropy_fusion: str = "none"):
+               cross_entropy_fusion: str = "none", fusions: str = "auto"):
+    """``fusions``: a --fusions choice; "auto-static" is auto with torch.compile's automatic dynamic shapes off
+    (every new shape compiles a static kernel; a measurement of what the dynamic kernels cost)."""
+    import torch._dynamo
+
+    from megatron_glm5.model.fusion_flags import config_overrides
     from megatron_glm5.model.model import build_model
 
+    torch._dynamo.reset()  # each build compiles its own regions (in its warm-up steps)
+    torch._dynamo.config.automatic_dynamic_shapes = fusions != "auto-static"
+    fusions = "auto" if fusions == "auto-static" else fusions
     model = build_model(cfg, mtp=False, params_dtype=dtype, bf16=dtype == torch.bfloat16, dsa_backend=attn,
                         dsa_stage="sparse", dsa_indexer_loss_coeff=indexer_loss_coeff,
-                        moe_triton_permute_fusion=permute_fusion, cross_entropy_fusion=cross_entropy_fusion)
+                        moe_triton_permute_fusion=permute_fusion, cross_entropy_fusion=cross_entropy_fusion,
+                        **config_overrides(fusions, cuda=device.type == "cuda"))
     return model.to(device).train()
 
 
@@ -90,20 +103,108 @@ def step_transformers(model, ids):
     return out.loss
 
 
-def _profile(model, step, cfg, args, device, gen) -> str:
-    """One more step under torch.profiler: the table of the --profile ops with the most device (else CPU) time."""
+# Kernel categories of the profile, first match wins (lower-case substrings of the kernel name). Inductor's
+# kernels (torch.compile: triton_poi_/triton_red_/triton_per_) are "elementwise" even when they concatenate.
+CATEGORIES = (
+    ("KL", ("_head_prob_kernel", "_indexer_kl_kernel", "tilelang_kl", "kl_kernel")),
+    ("indexer", ("_score_keys_kernel", "indexer")),
+    ("sparse attention", ("_fwd_kernel", "_bwd_kernel", "_dkv_kernel", "_segment_sum_kernel", "sparse_mla", "flash",
+                          "fmha",
+                          "sdpa", "attention", "dsa")),
+    ("MoE permute", ("_row_map_kernel", "_permute_kernel", "_unpermute_kernel")),
+    ("grouped experts", ("grouped", "groupproblemshape", "group_gemm", "ptrarray")),
+    ("GEMMs", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "splitk", "sm90_", "sm80_", "ampere_")),
+    ("elementwise", ("triton_poi_", "triton_red_", "triton_per_")),
+    ("copies", ("copy", "cat", "memcpy", "memset", "fill", "index", "gather", "scatter", "transpose", "pad")),
+    ("elementwise", ("elementwise", "reduce", "softmax", "norm", "sort", "topk", "radix", "bitonic", "scan",
+                     "triton_")),
+)
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for category, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return category
+    return "other"
+
+
+def category_table(kernels) -> dict:
+    """kernels: (name, self device us, calls) of every GPU kernel of one step -> {category: {ms, calls, top}}."""
+    out = {}
+    for name, us, calls in kernels:
+        c = out.setdefault(kernel_category(name), {"ms": 0.0, "calls": 0, "top": []})
+        c["ms"] += us / 1e3
+        c["calls"] += calls
+        c["top"].append([name[:120], us / 1e3, calls])
+    for c in out.values():
+        c["top"] = sorted(c["top"], key=lambda t: -t[1])[:12]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+
+
+def _device_kernels(prof) -> list:
+    """(kernel name, self device time in us, calls) of the GPU kernels in a torch.profiler run."""
+    rows = []
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        rows.append((e.key, float(us), int(e.count)))
+    return rows
+
+
+def _profile(model, step, cfg, args, device, gen):
+    """One more step under torch.profiler: the table of the --profile ops with the most device (else CPU) time, and
+    on a GPU the step's kernels by category (``category_table``)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen).to(device)
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, with_stack=args.profile_sites) as prof:
         step(model, ids)
         if device.type == "cuda":
             torch.cuda.synchronize()
     for p in model.parameters():
         p.grad = None
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=70)
+    table = prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=70)
+    if args.profile_sites:
+        table += "\n" + _op_sites(prof, key, args.profile)
+    return table, (category_table(_device_kernels(prof)) if device.type == "cuda" else None)
+
+
+def _op_sites(prof, key: str, rows: int) -> str:
+    """The elementwise / copy ops of the step by the source line that called them (the innermost frame of
+    megatron_glm5 / megatron-core / transformers; in the backward: the autograd node), most device time first.
+    (With torch 2.11 on the H200 the forward ops came without their Python frames: only the backward's nodes.)"""
+    import collections
+
+    ops = ("copy", "cat", "mul", "add", "sub", "div", "cast", "_to_copy", "sum", "mean", "pow", "rsqrt", "silu",
+           "sigmoid", "neg", "fill", "zero", "index", "gather", "scatter", "where", "exp", "log", "clamp",
+           "contiguous", "triton_", "Compiled")
+    sites = collections.Counter()
+    for e in prof.events():  # with_stack: the Python frames are parent events of the aten ops
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA or not e.name.startswith("aten::"):
+            continue
+        us = getattr(e, key, 0.0)
+        if not us or not any(o in e.name for o in ops):
+            continue
+        parent, where = e.cpu_parent, "(no Python frame recorded)"
+        while parent is not None:
+            if parent.name.startswith("autograd::engine::evaluate_function: "):
+                where = "(backward) " + parent.name.split(": ", 1)[1]
+                break
+            if (any(k in parent.name for k in ("megatron_glm5/", "megatron/core/", "transformers/"))
+                    and "cpu_literals" not in parent.name):  # not the CPU shim's function mode
+                where = parent.name.split("site-packages/")[-1]
+                break
+            parent = parent.cpu_parent
+        sites[(e.name, where)] += us
+    lines = [f"{'op':32s} {'self device ms':>15s}  call site"]
+    for (op, where), us in sites.most_common(rows):
+        lines.append(f"{op[:32]:32s} {us / 1e3:15.2f}  {where[:110]}")
+    return "\n".join(lines)
 
 
 def _sync_sites(model, step, cfg, args, device, gen) -> list:
@@ -159,7 +260,7 @@ def run(name, build, step, cfg, args, device) -> dict:
         if hasattr(model, "zero_grad_buffer"):
             model.zero_grad_buffer()
     ms = statistics.median(times)
-    profile = _profile(model, step, cfg, args, device, gen) if args.profile else None
+    profile, categories = _profile(model, step, cfg, args, device, gen) if args.profile else (None, None)
     syncs = _sync_sites(model, step, cfg, args, device, gen) if args.sync_debug and device.type == "cuda" else None
     tokens = args.batch * args.seq
     flops = training_flops_per_token(cfg, args.seq, sparse=True) * tokens
@@ -170,6 +271,8 @@ def run(name, build, step, cfg, args, device) -> dict:
         res["mfu"] = res["model_tflops"] / args.peak_tflops
     if profile is not None:
         res["profile"] = profile
+    if categories is not None:
+        res["profile_categories"] = categories
     if syncs is not None:
         res["sync_sites"] = syncs
     del model
@@ -190,6 +293,9 @@ def main(argv=None) -> int:
                    help="ours: the fused MoE token permute (default as in training: on with CUDA and triton)")
     p.add_argument("--cross-entropy-fusion", choices=("none", "chunked"), default="none",
                    help="ours: the output layer + cross entropy (--cross-entropy-fusion of the training scripts)")
+    p.add_argument("--fusions", default="auto",
+                   help="ours: --fusions of the training scripts (auto, none); a comma list runs ours once per "
+                        "choice, e.g. none,auto (the rows are named ours/none, ours/auto)")
     p.add_argument("--impls", default="ours,transformers")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -198,6 +304,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, profile one more step of each impl and print its N most expensive ops")
+    p.add_argument("--profile-sites", action="store_true",
+                   help="with --profile: also list the elementwise / copy ops by the source line that called them")
     p.add_argument("--sync-debug", action="store_true",
                    help="after timing, list where one more step of each impl synchronises the host with the GPU")
     args = p.parse_args(argv)
@@ -209,15 +317,20 @@ def main(argv=None) -> int:
     cfg = proxy_config(args.preset, args.layers, args.dense)
     from megatron_glm5 import platform
     platform.initialize_model_parallel()
-    builders = {
-        "ours": (lambda: build_ours(cfg, dtype, device, args.attn, args.indexer_loss_coeff,
-                                    args.moe_permute_fusion, args.cross_entropy_fusion), step_ours),
-        "transformers": (lambda: build_transformers(cfg, dtype, device), step_transformers),
-    }
+    choices = args.fusions.split(",")
+    builders = {"transformers": (lambda: build_transformers(cfg, dtype, device), step_transformers)}
+    for choice in choices:
+        builders["ours" if len(choices) == 1 else f"ours/{choice}"] = (
+            lambda choice=choice: build_ours(cfg, dtype, device, args.attn, args.indexer_loss_coeff,
+                                             args.moe_permute_fusion, args.cross_entropy_fusion, choice), step_ours)
+    names = [n for impl in args.impls.split(",")
+             for n in ([impl] if impl != "ours" else [b for b in builders if b.startswith("ours")])]
     results = []
-    for name in args.impls.split(","):
+    for name in names:
         build, step = builders[name]
         results.append(run(name, build, step, cfg, args, device))
+        if args.json:  # after each impl: a later one that fails leaves the earlier results
+            Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     print(f"proxy: {args.preset} x {args.layers} layers ({args.dense} dense), seq {args.seq}, batch {args.batch}, "
           f"{dtype}, {device}")
     print(f"{'impl':14s} {'ms/step':>9s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>9s}")
@@ -226,9 +339,10 @@ def main(argv=None) -> int:
         mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
         print(f"{r['impl']:14s} {r['ms_per_step']:9.1f} {r['tokens_per_s']:10.0f} {r['model_tflops']:8.1f} "
               f"{mfu:>6s} {mem:>9s}")
-    if len(results) == 2:
-        print(f"speed-up {results[1]['ms_per_step'] / results[0]['ms_per_step']:.2f}x "
-              f"({results[0]['impl']} vs {results[1]['impl']})")
+    base = next((r for r in results if r["impl"] == "transformers"), None)
+    for r in results:
+        if base is not None and r is not base:
+            print(f"speed-up {base['ms_per_step'] / r['ms_per_step']:.2f}x ({r['impl']} vs transformers)")
     for r in results:
         if "sync_sites" in r:
             print(f"\n== host-GPU synchronisations: {r['impl']} (one step; count, innermost frames) ==")
@@ -236,6 +350,20 @@ def main(argv=None) -> int:
                 print(f"{n:5d}  {site}")
         if "profile" in r:
             print(f"\n== profile: {r['impl']} (one step, ops by self device time) ==\n{r['profile']}")
+    with_categories = [r for r in results if "profile_categories" in r]
+    if with_categories:
+        print("\n== GPU time of one step by kernel category (ms) ==")
+        cats = list(dict.fromkeys(c for r in with_categories for c in r["profile_categories"]))
+        print(f"{'category':18s}" + "".join(f"{r['impl']:>16s}" for r in with_categories))
+        for c in cats + ["total"]:
+            vals = [sum(v["ms"] for v in r["profile_categories"].values()) if c == "total"
+                    else r["profile_categories"].get(c, {"ms": 0.0})["ms"] for r in with_categories]
+            print(f"{c:18s}" + "".join(f"{v:16.1f}" for v in vals))
+        for r in with_categories:
+            print(f"\n-- {r['impl']}: top kernels of each category (ms, calls) --")
+            for c, v in r["profile_categories"].items():
+                for name, ms, calls in v["top"][:4]:
+                    print(f"{c:18s} {ms:8.2f} {calls:6d}  {name[:100]}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
     return 0
