@@ -12,6 +12,9 @@
 * ``proxy``: benchmarks/proxy_step.py's model (GLM-5 width, 4 layers, 256 experts, indexer KL on, --attn triton)
   built once, one training step (forward + backward) with the cross entropy unfused and chunked; median ms and peak
   memory.
+* ``regions`` (``--parts regions``, not in the default list): --fusions op by op at --proxy-seq tokens, GLM-5
+  widths, bf16: each compiled region of model/fusions.py and megatron-core's two SwiGLU fusions against the eager
+  path, forward + backward (the sum of the output as the loss), ms.
 * ``autotune``: ops/autotune.py's benchmark (the one ``--attn auto`` runs) of the Triton backend, atomic and
   deterministic, and its own wall time; ranked through ``autotune.rank`` with the cache in --cache-dir.
 Timing: CUDA events, --warmup then the median of --reps; fresh random inputs (never zeros) outside the timed region.
@@ -211,6 +214,70 @@ def bench_autotune(cache_dir):
             "cache_key": autotune.cache_key(shape)}
 
 
+def bench_regions(tokens, warmup, reps):
+    """--fusions op by op: each fused region (model/fusions.py) and megatron-core's SwiGLU fusions, forward +
+    backward at GLM-5 widths, eager against compiled (the compilation in the warm-up)."""
+    import torch.nn.functional as F
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl, weighted_bias_swiglu_impl
+
+    from megatron_glm5.model.mla import absorbed_query, latent_key
+    from megatron_glm5.model.moe import glm5_topk_routing
+    from megatron_glm5.model.norm import rms_norm
+    from megatron_glm5.model.rope import rope_prefix
+
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    ang = torch.rand(tokens, 1, 32, device=dev) * tokens
+    cos, sin = ang.cos(), ang.sin()
+    q = torch.randn(tokens, 1, H, 256, device=dev, dtype=bf)
+    rows = tokens * 8  # routed experts: each token at its 8 experts
+    router = lambda *a, fuse: glm5_topk_routing(*a, fuse=fuse)[0]
+    dense_glu = lambda y: F.silu(y[:, :y.shape[1] // 2]) * y[:, y.shape[1] // 2:]
+
+    def expert_glu(h, w):
+        act = F.silu(h[:, :2048]) * h[:, 2048:]
+        return (act.float() * w.float().unsqueeze(-1)).to(act.dtype)
+
+    cases = {  # name: (eager fn, fused fn, tensors with gradients, other arguments)
+        "rms_norm hidden": (rms_norm, None, [torch.randn(tokens, 1, 6144, device=dev, dtype=bf),
+                                             torch.ones(6144, device=dev, dtype=bf)], [1e-5]),
+        "rms_norm q latent": (rms_norm, None, [torch.randn(tokens, 1, 2048, device=dev, dtype=bf),
+                                               torch.ones(2048, device=dev, dtype=bf)], [1e-6]),
+        "latent_key (norm+rope+cat)": (latent_key, None, [torch.randn(tokens, 1, 576, device=dev, dtype=bf),
+                                                          torch.ones(512, device=dev, dtype=bf)],
+                                       [1e-6, cos, sin, 512]),
+        "absorbed_query (rope+cat)": (absorbed_query, None, [torch.randn(tokens, 1, H, 512, device=dev, dtype=bf),
+                                                             q[..., 192:]], [cos, sin]),
+        "indexer rope_prefix q": (rope_prefix, None, [torch.randn(tokens, 1, HI, DI, device=dev, dtype=bf)],
+                                  [cos, sin, 64]),
+        "router top-k": (router, None, [torch.randn(tokens, 256, device=dev)],
+                         [torch.zeros(256, device=dev), 8, 1, 1, True, 2.5]),
+        "swiglu dense (mcore)": (lambda y, fuse: dense_glu(y), lambda y: bias_swiglu_impl(y, None),
+                                 [torch.randn(tokens, 2 * 12288, device=dev, dtype=bf)], []),
+        "swiglu experts weighted (mcore)": (
+            lambda h, w, fuse: expert_glu(h, w), lambda h, w: weighted_bias_swiglu_impl(h, None, w.unsqueeze(-1)),
+            [torch.randn(rows, 2 * 2048, device=dev, dtype=bf), torch.rand(rows, device=dev)], []),
+    }
+    res = {}
+    for name, (eager, fused, grads, rest) in cases.items():
+        leaves = [t.detach().requires_grad_() for t in grads]
+
+        def refill():
+            with torch.no_grad():
+                for t in leaves:
+                    t.normal_() if t.dtype == bf else t.uniform_(0.1, 1.0)
+            for t in leaves:
+                t.grad = None
+
+        def step(fuse):
+            out = fused(*leaves, *rest) if (fuse and fused is not None) else eager(*leaves, *rest, fuse=fuse)
+            out.float().sum().backward()
+
+        res[name] = {"eager_ms": timed(lambda: step(False), refill, warmup, reps),
+                     "fused_ms": timed(lambda: step(True), refill, warmup + 1, reps)}
+        print(f"{name:34s} eager {res[name]['eager_ms']:7.3f} ms  fused {res[name]['fused_ms']:7.3f} ms", flush=True)
+    return {"tokens": tokens, "fwd_bwd": res}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", type=int, nargs="*", default=[4096, 32768])
@@ -245,6 +312,8 @@ def main(argv=None):
     if "autotune" in parts:
         out["autotune"] = bench_autotune(args.cache_dir)
         print(json.dumps(out["autotune"]), flush=True)
+    if "regions" in parts:
+        out["regions"] = bench_regions(args.proxy_seq or 4096, args.warmup, args.reps)
     if "proxy" in parts and args.proxy_seq:
         out["proxy"] = bench_proxy(args.proxy_seq, args.warmup, args.reps)
     text = json.dumps(out, indent=1)
