@@ -1,6 +1,6 @@
 """Benchmark of the Triton DSA kernels (megatron_glm5/ops/triton_*.py) at GLM-5 shapes on one GPU.
 
-    python benchmarks/kernels.py [--seqs 4096 32768] [--sweep] [--json kernels.json]
+    python benchmarks/kernels.py [--seqs 4096 32768] [--sweep] [--bwd-only] [--json kernels.json]
 
 Shapes: T = S query tokens (batch 1, causal), h = 64 heads, d_qk = 576 (512 latent + 64 rope), d_v = 512,
 top-k 2048, indexer 32 heads x 128, bf16.  The top-k indices are the Triton indexer's own output on random
@@ -10,7 +10,9 @@ numbers (never zeros) before every run, outside the timed region.
 FLOP convention: sparse forward = 2 * T * h * topk * (576 + 512) (every top-k slot counted, also the -1 padding
 of early tokens, as FlashMLA / TileLang count); backward = 2.5 x forward.  The indexer and KL rows give times only.
 --sweep first times several block configurations of the forward and backward kernels at S = --sweep-seq and uses
-the fastest for the table.
+the fastest for the table.  The backward rows cover each variant of BWD_VARIANTS (the default "auto", each dk
+formulation of triton_sparse_mla, the earlier one-kernel backward) in both dkv modes, in the same run;
+--bwd-only keeps just the sparse MLA forward and backward rows (and the backward's sweep).
 MoE rows (--moe-tokens, default 4096 16384): our fused token permute + unpermute (ops/triton_moe_permute.py)
 against megatron-core's unfused ops, forward and forward + backward, GB/s of hidden-row traffic.
 """
@@ -35,15 +37,21 @@ FWD_SWEEP = [
     dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2),
     dict(BLOCK_N=128, V_SPLIT=1, num_warps=8, num_stages=1),
 ]
-# H_SPLIT = 1 (all 64 heads in one program) halves the fp32 atomic dkv traffic; it needs 16 warps to hold dq
+# backward block shapes, swept on the "slots" formulation (the one used at long sequences; kernel 1 is shared with
+# "dense"): kernel 1's (BLOCK_N, H_SPLIT, warps, stages) and the dkv kernel's (DK_BLOCK_S slots x DK_BLOCK_C
+# columns, warps, stages); entries are overrides of tsm.BWD_CONFIG, the fastest one's shapes become the default
 BWD_SWEEP = [
-    dict(BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2),
-    dict(BLOCK_N=32, H_SPLIT=1, num_warps=16, num_stages=1),
-    dict(BLOCK_N=16, H_SPLIT=1, num_warps=16, num_stages=2),
-    dict(BLOCK_N=16, H_SPLIT=1, num_warps=8, num_stages=1),
-    dict(BLOCK_N=32, H_SPLIT=2, num_warps=16, num_stages=2),
-    dict(BLOCK_N=64, H_SPLIT=2, num_warps=16, num_stages=1),
+    dict(),
+    dict(DK_BLOCK_S=64, DK_num_warps=4),
+    dict(H_SPLIT=2, num_stages=2),
+    dict(H_SPLIT=2, BLOCK_N=128, num_stages=2),
+    dict(H_SPLIT=2, BLOCK_N=32, num_stages=2),
 ]
+# the backward variants timed side by side in one run (overrides of tsm.BWD_CONFIG, or the name of one of its
+# configurations): the default (DK "auto"), each dk formulation, "slots" without the padding skip, and the previous
+# one-kernel backward (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
+BWD_VARIANTS = {"auto": {}, "slots": dict(DK="slots"), "dense": dict(DK="dense"),
+                "slots, no padding skip": dict(DK="slots", SKIP_PAD=False), "one-kernel": "ONE_KERNEL_BWD_CONFIG"}
 PROB_SWEEP = [  # the KL target's head sums, one pass (the forward's lse given)
     dict(BLOCK_N=64, num_warps=8, num_stages=2),
     dict(BLOCK_N=32, num_warps=4, num_stages=3),
@@ -119,7 +127,7 @@ def _try_configs(label, configs, run, refill, reps, log, flop=None):
     return rows, (min(ok, key=lambda r: r["ms"])["config"] if ok else None)
 
 
-def sweep(seq, reps, log):
+def sweep(seq, reps, log, only=None):
     """Times the block configurations of each Triton kernel at S = seq and makes the fastest the default."""
     from megatron_glm5.ops import triton_kl
     from megatron_glm5.ops import triton_sparse_mla as tsm
@@ -132,7 +140,7 @@ def sweep(seq, reps, log):
                 lambda cfg: tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV, config=cfg)),
         "bwd": (BWD_SWEEP, tsm.BWD_CONFIG, 2.5 * p.fwd_flop,
                 lambda cfg: tsm.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
-                                               deterministic=False, config=cfg)),
+                                               deterministic=False, config=dict(tsm.BWD_CONFIG, DK="slots", **cfg))),
         "prob": (PROB_SWEEP, triton_kl.PROB_CONFIG, None,  # the KL target's head sums, one pass
                  lambda cfg: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV, attn_lse=lse, config=cfg)),
         "kl": (KL_SWEEP, triton_kl.KL_CONFIG, None,  # the fused indexer KL kernel, forward + gradients
@@ -141,6 +149,8 @@ def sweep(seq, reps, log):
     }
     res = {}
     for name, (configs, default, flop, run) in kernels.items():
+        if only and name not in only:
+            continue
         res[name], best = _try_configs(f"{name} S={seq}", configs, run, p.refill, reps, log, flop)
         if best is not None:
             default.update(best)
@@ -150,7 +160,22 @@ def sweep(seq, reps, log):
     return res
 
 
-def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=None):
+def _fwd_bwd_rows(p, reps, add, tsm):
+    """The Triton forward's row, then one row per backward variant (BWD_VARIANTS) and dkv mode; returns the
+    forward's (out, lse) they use."""
+    add("sparse_mla fwd (triton)", timed(lambda: tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV), p.refill,
+                                         reps), p.fwd_flop)
+    out, lse = tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV)
+    for variant, over in BWD_VARIANTS.items():
+        cfg = getattr(tsm, over) if isinstance(over, str) else dict(tsm.BWD_CONFIG, **over)
+        for det in (False, True):
+            add(f"sparse_mla bwd (triton {variant}, {'deterministic' if det else 'atomic'})", timed(
+                lambda: tsm.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
+                                           deterministic=det, config=cfg), p.refill, reps), 2.5 * p.fwd_flop)
+    return out, lse
+
+
+def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=None, bwd_only=False):
     from megatron_glm5.ops import reference, triton_indexer, triton_kl
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -177,6 +202,10 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             run()
             add(label.format(suffix), timed(run, p.refill, n_reps), flop)
 
+    if bwd_only:  # the sparse MLA rows alone: the forward, then every backward variant
+        _fwd_bwd_rows(p, reps, add, tsm)
+        torch.cuda.empty_cache()
+        return rows
     add("indexer_topk (triton)", timed(lambda: triton_indexer.indexer_topk(
         p.qi, p.ki, p.w, TOPK, p.key_start, p.query_end, DI ** -0.5), p.refill, max(5, reps // 4)))
     add("indexer_topk (torch.topk + driver, no scores)", timed(lambda: triton_indexer.chunked_topk(
@@ -188,13 +217,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             tilelang_indexer.tilelang_indexer_topk, p.qi, p.ki, p.w, TOPK, p.key_start, p.query_end, DI ** -0.5),
             (("", tilelang_indexer.INDEXER_CONFIG), (", pipelined", tilelang_indexer.PIPELINED_INDEXER_CONFIG)),
             max(5, reps // 4))
-    add("sparse_mla fwd (triton)", timed(lambda: tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV), p.refill,
-                                         reps), p.fwd_flop)
-    out, lse = tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV)
-    for det in (True, False):
-        add(f"sparse_mla bwd (triton, {'deterministic' if det else 'atomic'})", timed(
-            lambda: tsm.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
-                                       deterministic=det), p.refill, reps), 2.5 * p.fwd_flop)
+    out, lse = _fwd_bwd_rows(p, reps, add, tsm)
     add("indexer KL target (head probs, 2 passes)", timed(
         lambda: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV), p.refill, max(5, reps // 4)))
     add("indexer KL target (head probs, fwd lse)", timed(
@@ -326,6 +349,8 @@ def main(argv=None):
     ap.add_argument("--tilelang-examples", default=None, metavar="DIR",
                     help="also time TileLang's example kernels: the examples/deepseek_v32 folder of a tile-ai/tilelang "
                          "checkout (benchmarks/peer_tilelang.py)")
+    ap.add_argument("--bwd-only", action="store_true",
+                    help="only the sparse MLA forward and backward rows (and only the backward's sweep)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS,
                     help="the GPU's measured bf16 matmul TFLOP/s, for the %% of peak column (default: the H200's)")
@@ -341,14 +366,14 @@ def main(argv=None):
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, reps=args.reps,
                   flop_convention="fwd = 2*T*h*topk*(576+512); bwd = 2.5 x fwd; fwd+bwd = 3.5 x fwd")
     if args.sweep:
-        result["sweep"] = sweep(args.sweep_seq, max(5, args.reps // 2), log)
+        result["sweep"] = sweep(args.sweep_seq, max(5, args.reps // 2), log, only=("bwd",) if args.bwd_only else None)
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
     result["fwd_config"], result["bwd_config"] = dict(tsm.FWD_CONFIG), dict(tsm.BWD_CONFIG)
     result["rows"] = []
     for seq in args.seqs:
         result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log, args.peak_tflops,
-                                args.tilelang_examples)
+                                args.tilelang_examples, args.bwd_only)
     for tokens in args.moe_tokens:
         result["rows"] += bench_moe_permute(tokens, args.reps, log)
     log(f"total {time.time() - t0:.0f} s")

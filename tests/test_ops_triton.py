@@ -46,6 +46,12 @@ def random_indices(key_start, query_end, topk, gen, holes=True):
 D_V, D_ROPE = 32, 16
 # (layout, deterministic dkv)
 MLA_MODES = [("packed", True), ("packed", False), ("cp", True), ("cp", False), ("empty_rows", True)]
+# backward variants besides the default (DK "auto", padding skipped): (layout, deterministic, variant) -- the
+# one-kernel backward, each dk formulation, "slots" without the padding skip, and buffers of 3 query rows (chunks)
+MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("packed", True, "slots"),
+                ("cp", False, "slots"), ("packed", False, "dense"), ("empty_rows", True, "dense"),
+                ("empty_rows", False, "slots_no_skip"), ("cp", True, "slots_chunked"), ("cp", False, "dense_chunked"),
+                ("cp", True, "dense_chunked")]
 # indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block); top-k 8 / 16 / 12 below, so
 # block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12)
 KL_MODES = [("packed", False, True, 16), ("packed", True, False, 8), ("cp", True, True, 8),
@@ -69,6 +75,7 @@ def build_cases():
         q = torch.randn(n_q, heads, D_V + D_ROPE, generator=g)
         kv = torch.randn(n_k, D_V + D_ROPE, generator=g)
         cases[f"mla_{name}"] = dict(kind="mla", modes=[m[1] for m in MLA_MODES if m[0] == name], q=q, kv=kv, indices=idx, scale=0.3, d_v=D_V,
+                                    variants=[m[1:] for m in MLA_VARIANTS if m[0] == name],
                                     d_out=torch.randn(n_q, heads, D_V, generator=g),
                                     d_lse=torch.randn(n_q, heads, generator=g))
         qi, ki, w = (torch.randn(n_q, 4, 8, generator=g), torch.randn(n_k, 8, generator=g),
@@ -129,6 +136,17 @@ def test_interp_sparse_mla_fwd_bwd(interp, name, deterministic):
     assert not torch.isnan(got["lse"]).any()
     torch.testing.assert_close(got["lse"][~empty].to(F64), want["lse"][~empty], rtol=1e-5, atol=1e-5)
     for key in ("out", "dq", "dkv"):
+        assert torch.isfinite(got[key]).all(), key
+        torch.testing.assert_close(got[key].to(F64), want[key], rtol=1e-4, atol=1e-4, msg=key)
+
+
+@needs_triton
+@pytest.mark.parametrize("name,deterministic,variant", MLA_VARIANTS)
+def test_interp_sparse_mla_bwd_variants(interp, name, deterministic, variant):
+    cases, res = interp
+    want = _ref_mla(cases[f"mla_{name}"])
+    got = res[f"mla_{name}"][deterministic, variant]
+    for key in ("dq", "dkv"):
         assert torch.isfinite(got[key]).all(), key
         torch.testing.assert_close(got[key].to(F64), want[key], rtol=1e-4, atol=1e-4, msg=key)
 
@@ -240,7 +258,8 @@ def gpu_sparse_problem(layout, seed):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("layout,bwd", [("causal", "default"), ("packed", "default"), ("causal", "fallback")])
+@pytest.mark.parametrize("layout,bwd", [("causal", "default"), ("packed", "default"), ("causal", "fallback"),
+                                        ("causal", "slots"), ("packed", "one_kernel")])
 def test_gpu_sparse_mla_real_shapes(layout, bwd):
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -251,7 +270,10 @@ def test_gpu_sparse_mla_real_shapes(layout, bwd):
     assert not out.isnan().any() and not lse.isnan().any()
     assert rel_l2(out, ro) <= 1e-2 and rel_l2(lse, rl) <= 1e-2
     grads = {}
-    cfg = tsm.BWD_FALLBACKS[0] if bwd == "fallback" else None  # the configuration used when shared memory is short
+    # the configuration used when shared memory is short; the previous one-kernel backward (benchmarks/kernels.py)
+    # (at S 4096 "auto" is "dense"; "slots" is the long-sequence formulation)
+    cfg = {"default": None, "fallback": tsm.BWD_FALLBACKS[0], "slots": dict(DK="slots"),
+           "one_kernel": tsm.ONE_KERNEL_BWD_CONFIG}[bwd]
     for det in (True, False):
         dq = torch.full_like(q, float("nan"))
         grads[det, str(cfg)] = g = tsm.sparse_mla_bwd(q, kv, idx, out, lse, d_out, None, scale, DV,

@@ -8,16 +8,27 @@ products (padded to >= 16); the selected kv rows are gathered BLOCK_N at a time;
 p is rounded to the value dtype for the PV product, accumulation in fp32.  With V_SPLIT = 2 two programs share a
 token, each owning half of the 512 value columns (they both compute the scores) -- fewer registers per program.
 
-Backward: one program per (query token, group of h / H_SPLIT heads -- heads are independent, and the split keeps
-the tiles inside shared memory) recomputes p from the saved lse, accumulates dq in registers, and produces for each
-gathered key block the dkv contribution dK = dS^T Q (+ P^T dO on the latent part).  Two ways to sum the
-contributions of different queries into dkv:
+Backward, per query chunk: kernel 1 (``_bwd_kernel``), one program per (query token, group of h / H_SPLIT heads;
+H_SPLIT 1 by default: all heads, M = 64 products) recomputes p from the saved lse and ds = p (dp - Delta) scale,
+accumulates dq in registers and stops after the query's last used top-k slot (SKIP_PAD).  The dkv contributions
+dK = dS^T Q (+ P^T dO on the latent part) are then formed one of three ways (BWD_CONFIG["DK"]):
+  * "slots": kernel 1 writes p and ds (input dtype) to a [chunk, K, 2, heads] buffer; ``_dkv_kernel``, one program
+    per (query, DK_BLOCK_S slots), contracts all heads in one product (M = slots, K = heads, N = 576 in DK_BLOCK_C
+    columns) -- one dkv row per (query, slot) instead of one per (query, head group, slot);
+  * "dense": kernel 1 scatters p and ds into zeroed [key, query x head] matrices (a query's keys are distinct: each
+    entry is written once) and two GEMMs (torch.mm, fp32 result) give the chunk's dkv -- no atomics, but every key
+    below the chunk's largest index is multiplied, selected or not;
+  * "in_kernel": the earlier one-kernel backward (ONE_KERNEL_BWD_CONFIG), the products per head group inside
+    kernel 1.
+"auto" (the default) takes "dense" where its (key, query) pairs are few enough (DENSE_COST_RATIO: S 4096 causal),
+else "slots".  Summing the contributions of different queries ("slots", "in_kernel"):
   * "atomic": fp32 atomic adds straight into dkv -- fast, summation order (and so the last bits) not reproducible;
-  * "deterministic": contributions of a query chunk are written to a [chunk * K, D] fp32 buffer, the chunk's
-    (query, slot) pairs are stably sorted by key row, and a segmented-sum kernel adds each key's rows in that fixed
-    order; chunks are added in order.  Bitwise reproducible.
-Choose with ``deterministic=`` or the env var GLM5_TRITON_DETERMINISTIC (1 / 0).  Default: atomic -- on the H200
-the deterministic reduction made the backward 1.7x slower (docs/performance.md, "Kernels").
+  * "deterministic": contributions of a query chunk are written to a [chunk * rows, D] fp32 buffer, the chunk's
+    rows are stably sorted by key, and a segmented-sum kernel adds each key's rows in that fixed order; chunks are
+    added in order.  Bitwise reproducible.  "dense" is reproducible in both modes (GEMMs, chunks in order).
+Choose with ``deterministic=`` or the env var GLM5_TRITON_DETERMINISTIC (1 / 0).  Default: atomic.  H200
+(docs/design.md, "The Triton sparse-MLA backward"): S 4096 11.1 ms either mode (the one-kernel backward 29.3 /
+50.5), S 32768 154 atomic / 232 deterministic (277 / 465).
 
 A transposed formulation (scores as [keys, heads], Q and dO only ever B operands) was tried and measured slower on
 the H200 (69-70 vs 98 TFLOP/s at S 8192, and its 32-key tiles did not fit in shared memory): removed.
@@ -54,12 +65,32 @@ LOG2E = 1.4426950408889634
 
 # tuned on the H200 (see docs/performance.md, "Kernels"); overridable per call for the benchmark sweep
 FWD_CONFIG = dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2)
-BWD_CONFIG = dict(BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2)
+# DK, how dkv is formed.  "in_kernel": _bwd_kernel also forms the dk products per (query, head group) and adds them
+# (the earlier backward, ONE_KERNEL_BWD_CONFIG, kept for the benchmark).  Otherwise _bwd_kernel recomputes p and ds
+# per (query, head group), accumulates dq and writes p and ds in the input dtype, and then per query chunk:
+# "slots": _dkv_kernel contracts all heads per (query, DK_BLOCK_S slots) and adds the rows into dkv -- half the fp32
+# atomics, M = DK_BLOCK_S (wgmma) products; "dense": p and ds are scattered into zeroed [key, query x head]
+# matrices and two GEMMs give dkv -- no atomics, but every key of the chunk's range is multiplied, selected or not;
+# "auto": dense where it is cheaper (_dk_mode).  SKIP_PAD: stop each query's loop after its last used slot.
+# H_SPLIT 1: all 64 heads in one program, M = 64 (wgmma) products; it fits in shared memory now that the dk
+# products left the kernel (213 KB at BLOCK_N 64, one stage)
+BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", SKIP_PAD=True,
+                  DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2)
+# the earlier one-kernel backward with the block shape tuned for it
+ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
+                             SKIP_PAD=False)
+# "auto" picks "dense" while the (key, query) pairs of its matrices are at most this many times the used
+# (query, slot) pairs, per dkv mode.  H200, benchmarks/kernels.py (docs/design.md): at a ratio of 1.7 (S 4096)
+# "dense" is faster in both modes (11.0 vs 13.6 ms atomic, 11.1 vs 24.8 deterministic); at 8.2 (S 32768) "slots"
+# is faster atomic (155 vs 233 ms) and "dense" deterministic (233 vs 250: no sort, no segmented sums)
+DENSE_COST_RATIO = {"atomic": 4.0, "deterministic": 12.0}
 # tried in order when a configuration needs more shared memory than the GPU has
 BWD_FALLBACKS = (dict(BLOCK_N=32, H_SPLIT=4, num_warps=4, num_stages=1),
                  dict(BLOCK_N=16, H_SPLIT=4, num_warps=4, num_stages=1))
 # bytes of fp32 per-(query, slot) dkv contributions held at once in deterministic mode
 DET_BUFFER_BYTES = 2 << 30
+# bytes of the p / ds chunk buffers of the "slots" and "dense" backward
+PDS_BUFFER_BYTES = 1 << 30
 
 
 def deterministic_default() -> bool:
@@ -221,12 +252,15 @@ def sparse_mla_fwd(q, kv, indices, softmax_scale: float, d_v: int, config: Optio
 
 @triton.jit
 def _bwd_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, BUF,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, BUF, PDS, ENDS,
     stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt,
-    t0, n_heads, n_keys, topk, scale,
+    t0, n_heads, n_keys, topk, scale, dense_cols, p_off,
     DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, H_SPLIT: tl.constexpr,
-    ATOMIC: tl.constexpr, IEEE: tl.constexpr,
+    ATOMIC: tl.constexpr, IEEE: tl.constexpr, DK_MODE: tl.constexpr, HP: tl.constexpr, SKIP_PAD: tl.constexpr,
 ):
+    """DK_MODE 0: the dk products per head group here, into dkv (ATOMIC) or BUF rows; 1 ("slots"): p and ds to the
+    [query, slot, (ds | p), HP] buffer PDS for _dkv_kernel; 2 ("dense"): p and ds scattered into the zeroed
+    [key, query, head] matrices PDS and PDS + p_off (row length dense_cols = queries x heads) for two GEMMs."""
     tl_ = tl.program_id(0).to(tl.int64)  # row inside this launch's query range
     hg = tl.program_id(1)  # head group: heads are independent, each group adds its own dkv partial sum
     t = t0 + tl_
@@ -244,7 +278,9 @@ def _bwd_kernel(
 
     dq_lat = tl.zeros([BLOCK_H, DV], tl.float32)
     dq_rope = tl.zeros([BLOCK_H, DR], tl.float32)
-    for n0 in range(0, topk, BLOCK_N):
+    # SKIP_PAD: stop after the query's last used slot (ENDS; the -1 padding of early tokens is at the end)
+    n_end = tl.load(ENDS + t) if SKIP_PAD else topk
+    for n0 in range(0, n_end, BLOCK_N):
         slot = n0 + offs_n
         idx, ok, k_lat, k_rope = _load_selected(IDX + t * stride_it, KV, stride_kvt, slot, topk, n_keys, offs_v, offs_r,
                                                 DV)
@@ -255,27 +291,33 @@ def _bwd_kernel(
         ds = p * (dp - delta[:, None]) * scale
         ds_c = ds.to(k_lat.dtype)
         p_c = p.to(k_lat.dtype)
-        if IEEE:
-            dq_lat = tl.dot(ds_c, k_lat, dq_lat, input_precision="ieee")
-            dq_rope = tl.dot(ds_c, k_rope, dq_rope, input_precision="ieee")
-            dk_lat = tl.dot(tl.trans(ds_c), q_lat, input_precision="ieee")
-            dk_lat = tl.dot(tl.trans(p_c), do, dk_lat, input_precision="ieee")
-            dk_rope = tl.dot(tl.trans(ds_c), q_rope, input_precision="ieee")
-        else:
-            dq_lat = tl.dot(ds_c, k_lat, dq_lat)
-            dq_rope = tl.dot(ds_c, k_rope, dq_rope)
-            dk_lat = tl.dot(tl.trans(ds_c), q_lat)
-            dk_lat = tl.dot(tl.trans(p_c), do, dk_lat)
-            dk_rope = tl.dot(tl.trans(ds_c), q_rope)
-        if ATOMIC:
-            drow = DKV + tl.where(ok, idx, 0) * D
-            tl.atomic_add(drow[:, None] + offs_v[None, :], dk_lat, mask=ok[:, None], sem="relaxed")
-            tl.atomic_add(drow[:, None] + DV + offs_r[None, :], dk_rope, mask=ok[:, None], sem="relaxed")
-        else:
-            brow = BUF + ((tl_ * H_SPLIT + hg) * topk + slot) * D
+        dq_lat = _mma(ds_c, k_lat, dq_lat, IEEE)
+        dq_rope = _mma(ds_c, k_rope, dq_rope, IEEE)
+        if DK_MODE == 1:
+            # p and ds go to the chunk's [query, slot, (ds | p), HP heads] buffer; _dkv_kernel contracts the heads
+            pds = PDS + (tl_ * topk + slot)[None, :] * (2 * HP) + offs_h[:, None]
             s_ok = slot < topk
-            tl.store(brow[:, None] + offs_v[None, :], dk_lat, mask=s_ok[:, None])
-            tl.store(brow[:, None] + DV + offs_r[None, :], dk_rope, mask=s_ok[:, None])
+            tl.store(pds, ds_c, mask=s_ok[None, :])
+            tl.store(pds + HP, p_c, mask=s_ok[None, :])
+        elif DK_MODE == 2:
+            # a query's keys are distinct: each (key, query, head) entry is written once, the rest stays 0
+            pds = PDS + tl.where(ok, idx, 0)[None, :] * dense_cols + tl_ * n_heads + offs_h[:, None]
+            m = ok[None, :] & h_ok[:, None]
+            tl.store(pds, ds_c, mask=m)
+            tl.store(pds + p_off, p_c, mask=m)
+        else:
+            dk_lat = _mma(tl.trans(ds_c), q_lat, tl.zeros([BLOCK_N, DV], tl.float32), IEEE)
+            dk_lat = _mma(tl.trans(p_c), do, dk_lat, IEEE)
+            dk_rope = _mma(tl.trans(ds_c), q_rope, tl.zeros([BLOCK_N, DR], tl.float32), IEEE)
+            if ATOMIC:
+                drow = DKV + tl.where(ok, idx, 0) * D
+                tl.atomic_add(drow[:, None] + offs_v[None, :], dk_lat, mask=ok[:, None], sem="relaxed")
+                tl.atomic_add(drow[:, None] + DV + offs_r[None, :], dk_rope, mask=ok[:, None], sem="relaxed")
+            else:
+                brow = BUF + ((tl_ * H_SPLIT + hg) * topk + slot) * D
+                s_ok = slot < topk
+                tl.store(brow[:, None] + offs_v[None, :], dk_lat, mask=s_ok[:, None])
+                tl.store(brow[:, None] + DV + offs_r[None, :], dk_rope, mask=s_ok[:, None])
 
     dq_base = DQ + t * stride_qt + offs_h[:, None] * stride_qh
     tl.store(dq_base + offs_v[None, :], dq_lat.to(DQ.dtype.element_ty), mask=h_ok[:, None])
@@ -289,6 +331,60 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
+
+
+@triton.jit
+def _dkv_kernel(
+    Q, DO, IDX, PDS, DKV, BUF,
+    stride_qt, stride_qh, stride_it, stride_dot, stride_doh,
+    t0, n_heads, n_keys, topk,
+    DV: tl.constexpr, DR: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    ATOMIC: tl.constexpr, IEEE: tl.constexpr,
+):
+    """The dkv contributions of one query and BLOCK_S of its top-k slots, all heads contracted in one product:
+    dK[slot] = dS^T Q (+ P^T dO on the latent part), M = BLOCK_S slots, K = HP heads, N = D in BLOCK_C columns at
+    a time.  Added into dkv (ATOMIC) or stored as the chunk's (query, slot) rows for the segmented reduction."""
+    tl_ = tl.program_id(0).to(tl.int64)
+    t = t0 + tl_
+    D: tl.constexpr = DV + DR
+    slot = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_ok = slot < topk
+    idx = tl.load(IDX + t * stride_it + slot, mask=s_ok, other=-1).to(tl.int64)
+    ok = (idx >= 0) & (idx < n_keys)
+    if tl.max(ok.to(tl.int32), axis=0) == 0:  # only unused slots (early tokens' -1 padding): nothing to add
+        return
+    offs_hh = tl.arange(0, HP)
+    h_ok = offs_hh < n_heads
+    pds = PDS + (tl_ * topk + slot)[:, None] * (2 * HP) + offs_hh[None, :]
+    ds_t = tl.load(pds, mask=s_ok[:, None], other=0.0)  # [BLOCK_S, HP]
+    p_t = tl.load(pds + HP, mask=s_ok[:, None], other=0.0)
+    q_row = Q + t * stride_qt + offs_hh[:, None] * stride_qh
+    do_row = DO + t * stride_dot + offs_hh[:, None] * stride_doh
+    if ATOMIC:
+        out_row = DKV + tl.where(ok, idx, 0) * D
+        o_ok = ok
+    else:
+        out_row = BUF + (tl_ * topk + slot) * D
+        o_ok = s_ok
+    offs_c = tl.arange(0, BLOCK_C)
+    for c0 in range(0, DV, BLOCK_C):
+        qc = tl.load(q_row + c0 + offs_c[None, :], mask=h_ok[:, None], other=0.0)
+        doc = tl.load(do_row + c0 + offs_c[None, :], mask=h_ok[:, None], other=0.0)
+        acc = _mma(ds_t, qc, tl.zeros([BLOCK_S, BLOCK_C], tl.float32), IEEE)
+        acc = _mma(p_t, doc, acc, IEEE)
+        ptr = out_row[:, None] + c0 + offs_c[None, :]
+        if ATOMIC:
+            tl.atomic_add(ptr, acc, mask=o_ok[:, None], sem="relaxed")
+        else:
+            tl.store(ptr, acc, mask=o_ok[:, None])
+    offs_r = tl.arange(0, DR)
+    qr = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None], other=0.0)
+    acc = _mma(ds_t, qr, tl.zeros([BLOCK_S, DR], tl.float32), IEEE)
+    ptr = out_row[:, None] + DV + offs_r[None, :]
+    if ATOMIC:
+        tl.atomic_add(ptr, acc, mask=o_ok[:, None], sem="relaxed")
+    else:
+        tl.store(ptr, acc, mask=o_ok[:, None])
 
 
 @triton.jit
@@ -327,10 +423,73 @@ def _segment_reduce_into(dkv: torch.Tensor, buf: torch.Tensor, idx_chunk: torch.
     )
 
 
+def _used_slot_ends(indices: torch.Tensor, n_keys: int) -> torch.Tensor:
+    """int32 [T]: one past each query's last used top-k slot (0 for a query without keys)."""
+    used = (indices >= 0) & (indices < n_keys)
+    k = indices.shape[1]
+    last = k - used.flip(-1).to(torch.int8).argmax(-1)
+    return torch.where(used.any(-1), last, 0).to(torch.int32).contiguous()
+
+
+def _chunk_rows(n_q: int, per_row_bytes: int, budget: int) -> int:
+    """Query rows per launch so that the per-row buffers of a chunk stay within ``budget`` bytes."""
+    return max(1, min(n_q, budget // max(1, per_row_bytes)))
+
+
+def _dense_dkv(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v):
+    """dkv[:kc] += dS^T Q + (P^T dO on the latent part) for one query chunk, from the [kc, n * h] matrices that
+    _bwd_kernel (DK_MODE 2) scattered: two GEMMs contracting (query, head), fp32 results."""
+    ds = pds[:kc * n * h].view(kc, n * h)
+    p = pds[p_off:p_off + kc * n * h].view(kc, n * h)
+    qc = q[t0:t0 + n].reshape(n * h, -1)
+    doc = d_out[t0:t0 + n].reshape(n * h, -1)
+    dkv[:kc] += _mm_fp32(ds, qc)
+    dkv[:kc, :d_v] += _mm_fp32(p, doc)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result: bf16 / fp16 operands on a GPU through torch.mm's out_dtype (fp32 accumulation,
+    no rounding of the product to 16 bits); fp32 otherwise (or where this torch lacks out_dtype)."""
+    if a.dtype != torch.float32 and a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+    return a.float() @ b.float()
+
+
+def _chunk_key_ends(indices: torch.Tensor, rows: int, n_keys: int) -> list:
+    """Per chunk of ``rows`` queries: one past the largest key it selects (0: none), with one host sync."""
+    n_q = indices.shape[0]
+    full = n_q // rows * rows
+    m = [indices[:full].reshape(n_q // rows, -1).amax(1)] if full else []
+    if full < n_q:
+        m.append(indices[full:].amax().reshape(1))
+    return torch.cat(m).clamp(-1, n_keys - 1).add(1).tolist()
+
+
+def _dk_mode(cfg: dict, indices: torch.Tensor, n_keys: int, ends: Optional[torch.Tensor], dense_rows: int,
+             det: bool):
+    """(the dk formulation, the dense chunks' key ends or None).  "auto": "dense" when its (key, query) pairs --
+    every key below a chunk's largest index, selected or not -- are at most DENSE_COST_RATIO x the used
+    (query, slot) pairs that "slots" adds into dkv (the ratios measured on the H200)."""
+    mode = cfg.get("DK", "in_kernel")
+    if mode not in ("auto", "dense"):
+        return mode, None
+    key_ends = _chunk_key_ends(indices, dense_rows, n_keys)
+    if mode == "auto":
+        n_q = indices.shape[0]
+        pairs = sum(kc * min(dense_rows, n_q - i * dense_rows) for i, kc in enumerate(key_ends))
+        used = float(ends.sum()) if ends is not None else float(indices.numel())
+        mode = "dense" if pairs <= DENSE_COST_RATIO["deterministic" if det else "atomic"] * used else "slots"
+    return mode, key_ends
+
+
 def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float, d_v: int,
                    deterministic: Optional[bool] = None, config: Optional[dict] = None,
                    dq: Optional[torch.Tensor] = None):
-    """(dq like q, dkv like kv).  d_lse may be None; dq may be given (contiguous, written in full)."""
+    """(dq like q, dkv like kv).  d_lse may be None; dq may be given (contiguous, written in full).
+    config: BWD_CONFIG's keys (DK: "in_kernel", "slots", "dense" or "auto"; see there)."""
     d_rope = _check(q, kv, indices, d_v)
     cfg = dict(BWD_CONFIG, **(config or {}))
     det = deterministic_default() if deterministic is None else bool(deterministic)
@@ -347,34 +506,81 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
     dkv = torch.zeros(n_keys, d, dtype=torch.float32, device=q.device)
     if n_q == 0 or topk == 0:
         return dq.zero_(), dkv.to(kv.dtype)
-    configs = [cfg] + [c for c in BWD_FALLBACKS if config is None and c != cfg]
+    hp = _block_h(h)
+    elt = q.element_size()
+    configs = [cfg] + [dict(cfg, **c) for c in BWD_FALLBACKS if config is None and dict(cfg, **c) != cfg]
+    ends = None
     while True:
         cfg = configs.pop(0)
-        h_split = max(1, min(int(cfg["H_SPLIT"]), _block_h(h) // 16))
-        if det:
-            rows = max(1, min(n_q, DET_BUFFER_BYTES // max(1, h_split * topk * d * 4)))
+        skip = bool(cfg.get("SKIP_PAD", False))
+        if skip and ends is None:
+            ends = _used_slot_ends(indices, n_keys)
+        dense_rows = _chunk_rows(n_q, 2 * n_keys * h * elt, PDS_BUFFER_BYTES)
+        mode, key_ends = _dk_mode(cfg, indices, n_keys, ends, dense_rows, det)
+        h_split = max(1, min(int(cfg["H_SPLIT"]), hp // 16))
+        rows = n_q
+        det_row = 0  # fp32 dkv rows per query (deterministic, "in_kernel" / "slots")
+        if mode == "in_kernel":
+            det_row = h_split * topk * d * 4
+        elif mode == "slots":
+            det_row = topk * d * 4
+            rows = _chunk_rows(n_q, 2 * topk * hp * elt, PDS_BUFFER_BYTES)
+        elif mode == "dense":
+            rows = dense_rows
         else:
-            rows = n_q
-        buf = torch.empty(rows * h_split * topk, d, dtype=torch.float32, device=q.device) if det else dkv
+            raise ValueError(f"triton sparse_mla_bwd: unknown DK mode {mode!r} (in_kernel, slots, dense, auto)")
+        det_rows = det and det_row > 0
+        if det_rows:
+            rows = min(rows, _chunk_rows(n_q, det_row, DET_BUFFER_BYTES))
+        starts = list(range(0, n_q, rows))
+        buf = torch.empty(rows * det_row // 4, dtype=torch.float32, device=q.device) if det_rows else dkv
+        p_off = 0
+        if mode == "slots":
+            pds = torch.empty(rows * 2 * topk * hp, dtype=q.dtype, device=q.device)
+        elif mode == "dense":
+            p_off = max(key_ends) * rows * h
+            pds = torch.empty(2 * p_off, dtype=q.dtype, device=q.device)
+        else:
+            pds = dkv
+        ends_arg = ends if skip else delta  # an unused pointer without SKIP_PAD
         try:
-            for t0 in range(0, n_q, rows):
+            for i, t0 in enumerate(starts):
                 n = min(rows, n_q - t0)
+                if mode == "dense":
+                    kc = key_ends[i]
+                    pds[:kc * n * h].zero_()
+                    pds[p_off:p_off + kc * n * h].zero_()
                 _bwd_kernel[(n, h_split)](
-                    q, kv, indices, d_out, lse, delta, dq, dkv, buf,
+                    q, kv, indices, d_out, lse, delta, dq, dkv, buf, pds, ends_arg,
                     q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), d_out.stride(0), d_out.stride(1),
-                    lse.stride(0), t0, h, n_keys, topk, float(softmax_scale),
-                    DV=d_v, DR=d_rope, BLOCK_H=_block_h(h) // h_split, BLOCK_N=cfg["BLOCK_N"], H_SPLIT=h_split,
-                    ATOMIC=not det, IEEE=q.dtype == torch.float32, num_warps=cfg["num_warps"],
-                    num_stages=cfg["num_stages"],
+                    lse.stride(0), t0, h, n_keys, topk, float(softmax_scale), n * h, p_off,
+                    DV=d_v, DR=d_rope, BLOCK_H=hp // h_split, BLOCK_N=cfg["BLOCK_N"], H_SPLIT=h_split,
+                    ATOMIC=not det, IEEE=q.dtype == torch.float32, DK_MODE=_DK_MODES[mode], HP=hp, SKIP_PAD=skip,
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                 )
-                if det:
-                    _segment_reduce_into(dkv, buf, indices[t0:t0 + n], h_split)
+                if mode == "slots":
+                    block_s = min(int(cfg["DK_BLOCK_S"]), max(16, triton.next_power_of_2(topk)))
+                    _dkv_kernel[(n, triton.cdiv(topk, block_s))](
+                        q, d_out, indices, pds, dkv, buf,
+                        q.stride(0), q.stride(1), indices.stride(0), d_out.stride(0), d_out.stride(1),
+                        t0, h, n_keys, topk,
+                        DV=d_v, DR=d_rope, HP=hp, BLOCK_S=block_s, BLOCK_C=min(int(cfg["DK_BLOCK_C"]), d_v),
+                        ATOMIC=not det, IEEE=q.dtype == torch.float32,
+                        num_warps=cfg["DK_num_warps"], num_stages=cfg["DK_num_stages"],
+                    )
+                elif mode == "dense" and kc > 0:
+                    _dense_dkv(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v)
+                if det_rows:
+                    _segment_reduce_into(dkv, buf, indices[t0:t0 + n], 1 if mode == "slots" else h_split)
             return dq, dkv.to(kv.dtype)
         except OutOfResources:
             if not configs:
                 raise
             # nothing has been written for this launch configuration's first launch: retry with the next one
             dkv.zero_()
+
+
+_DK_MODES = {"in_kernel": 0, "slots": 1, "dense": 2}
 
 
 def sparse_mla(q, kv, indices, softmax_scale: float, d_v: int,
