@@ -20,6 +20,12 @@ def run_topk(c):
                                        c["query_end"], c["scale"], config=dict(BLOCK_N=64, N_ITERS=1))
 
 
+# backward variants (test_ops_triton.MLA_VARIANTS): BWD_CONFIG overrides, and "chunked" buffers of 3 query rows
+MLA_VARIANTS = {"one_kernel": dict(DK="in_kernel", SKIP_PAD=False), "slots": dict(DK="slots"),
+                "dense": dict(DK="dense"), "slots_no_skip": dict(DK="slots", SKIP_PAD=False),
+                "slots_chunked": dict(DK="slots"), "dense_chunked": dict(DK="dense")}
+
+
 def run_mla(c):
     from megatron_glm5.ops import triton_sparse_mla
 
@@ -27,14 +33,20 @@ def run_mla(c):
     kv = c["kv"].clone().requires_grad_()
     res = {}
     default = dict(triton_sparse_mla.BWD_CONFIG)
-    for det in c["modes"]:
+    budgets = triton_sparse_mla.DET_BUFFER_BYTES, triton_sparse_mla.PDS_BUFFER_BYTES
+    for det, variant in [(m, None) for m in c["modes"]] + c.get("variants", []):
         q.grad = kv.grad = None
-        triton_sparse_mla.BWD_CONFIG.update(BLOCK_N=16, H_SPLIT=2)
+        triton_sparse_mla.BWD_CONFIG.update(BLOCK_N=16, H_SPLIT=2, DK_BLOCK_S=16, **MLA_VARIANTS.get(variant, {}))
+        if variant and variant.endswith("chunked"):
+            row = c["indices"].shape[1] * q.shape[-1] * 4
+            triton_sparse_mla.DET_BUFFER_BYTES = triton_sparse_mla.PDS_BUFFER_BYTES = 3 * row
         out, lse = triton_sparse_mla.sparse_mla(q, kv, c["indices"], c["scale"], c["d_v"], deterministic=det)
         loss = (out * c["d_out"]).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * c["d_lse"]).sum()
         loss.backward()
         triton_sparse_mla.BWD_CONFIG.update(default)
-        res[det] = dict(out=out.detach(), lse=lse.detach(), dq=q.grad.clone(), dkv=kv.grad.clone())
+        triton_sparse_mla.DET_BUFFER_BYTES, triton_sparse_mla.PDS_BUFFER_BYTES = budgets
+        res[det if variant is None else (det, variant)] = dict(out=out.detach(), lse=lse.detach(), dq=q.grad.clone(),
+                                                               dkv=kv.grad.clone())
     return res
 
 
