@@ -51,6 +51,7 @@ from megatron_glm5.training import muon_flags  # stdlib-only module: the Muon fl
 from megatron_glm5.lora import flags as lora_flags  # stdlib-only module: the LoRA flags and checks
 from megatron_glm5.fp8 import flags as fp8_flags  # stdlib-only module: --base-precision and its checks
 from megatron_glm5.model import cross_entropy_flags  # stdlib-only module: --cross-entropy-fusion
+from megatron_glm5.model import fusion_flags  # stdlib-only module: --fusions
 
 __all__ = [
     "ArgumentError",
@@ -440,6 +441,7 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
     lora_flags.add_flags(p)
     fp8_flags.add_flags(p)
     cross_entropy_flags.add_flags(p)
+    fusion_flags.add_flags(p)
     return p
 
 
@@ -958,7 +960,7 @@ def _launch_hint(args: argparse.Namespace, world: int, needed: int) -> str:
     """How to launch a layout of ``needed`` ranks, for a layout error in a single process (else "")."""
     if world != 1:
         return ""
-    script = f"{getattr(args, 'mode', 'finetune')}_glm5.py"
+    script = getattr(args, "launch_script", None) or f"{getattr(args, 'mode', 'finetune')}_glm5.py"  # generate.py
     return (f"; this is a single process: launch {needed} with torchrun, e.g. torchrun --nproc-per-node {needed} "
             f"{script} <the same flags>")
 
@@ -1318,6 +1320,7 @@ def args_to_overrides(args: argparse.Namespace) -> Dict[str, Any]:
         fp32_router_and_indexer_weights=not args.bf16,
     )
     overrides.update(cross_entropy_flags.config_overrides(getattr(args, "cross_entropy_fusion", "none")))
+    overrides.update(fusion_flags.config_overrides(getattr(args, "fusions", "auto")))
     if args.moe_router_dtype is not None:
         overrides["moe_router_dtype"] = args.moe_router_dtype
     if getattr(args, "moe_permute_fusion", None) is not None:  # None: the model's default (on with CUDA + triton)

@@ -1092,6 +1092,8 @@ def transformer_config_class():
         cross_entropy_fusion: str = "none"
         """--cross-entropy-fusion: "chunked" computes the LM head's loss without materialising the logits
         (model/linear_cross_entropy.py); "native" / "none" leave it to megatron-core."""
+        elementwise_fusion: bool = False
+        """--fusions: run the elementwise regions (model/fusions.py) torch.compile'd on CUDA tensors."""
         fp32_router_and_indexer_weights: bool = True
         """Keep the router weight and the indexer's weights_proj in fp32 whatever params_dtype is (transformers'
         choice; right for inference). Training turns it off: megatron-core's bf16 optimizers need one parameter

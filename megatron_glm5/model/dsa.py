@@ -22,7 +22,8 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from megatron_glm5.config import DSA_STAGES
 from megatron_glm5.model.params import param_device
-from megatron_glm5.model.rope import apply_interleaved_rope
+from megatron_glm5.model import fusions
+from megatron_glm5.model.rope import rope_prefix
 from megatron_glm5.ops import get_backend
 from megatron_glm5.ops.autotune import shape_from_config
 
@@ -61,8 +62,8 @@ class GLM5Indexer(MegatronModule):
         q = self.linear_wq_b(q_resid).view(s, b, self.n_heads, self.head_dim)
         k = self.k_norm(self.linear_wk(x))
         r = self.rope_dim
-        q = torch.cat([apply_interleaved_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        k = torch.cat([apply_interleaved_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        fuse = fusions.on(self.config, x)
+        q, k = rope_prefix(q, cos, sin, r, fuse=fuse), rope_prefix(k, cos, sin, r, fuse=fuse)
         w = F.linear(x.to(torch.float32), self.linear_weights_proj.weight.float()) * (self.n_heads ** -0.5)
         to_tokens = lambda t: t.transpose(0, 1).reshape(b * s, *t.shape[2:])
         return to_tokens(q), inputs.gather_keys(k, (self.layer_number, "index")), to_tokens(w)

@@ -40,8 +40,25 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
+from megatron_glm5.model import fusions
 from megatron_glm5.model.attention_inputs import AttentionInputs
+from megatron_glm5.model.norm import rms_norm
 from megatron_glm5.model.rope import apply_interleaved_rope
+
+
+@fusions.region
+def latent_key(kv_c: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+               lat: int) -> torch.Tensor:
+    """The shared key [latent | k_rope] from kv_down's output: kv_layernorm on the latent, RoPE on k_rope, written
+    in one tensor (the layout the sparse kernels read)."""
+    latent = rms_norm.eager(kv_c[..., :lat], norm_weight, eps)
+    return torch.cat([latent, apply_interleaved_rope(kv_c[..., lat:], cos, sin)], dim=-1)
+
+
+@fusions.region
+def absorbed_query(q_lat: torch.Tensor, q_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The absorbed query [q_nope @ W_uk | rotated q_rope] per head, written in one tensor."""
+    return torch.cat([q_lat, apply_interleaved_rope(q_rope, cos, sin)], dim=-1)
 
 
 def local_linear(linear, x: torch.Tensor) -> torch.Tensor:
@@ -113,16 +130,16 @@ class GLM5MLASelfAttention(MLASelfAttention):
         q = local_linear(self.linear_q_up_proj, copy_to_tensor_model_parallel_region(q_resid, group=group))
         q = q.view(s, b, h, nope + rope)
         q_nope, q_rope = q[..., :nope], q[..., nope:]
-        q_rope = apply_interleaved_rope(q_rope, inputs.cos, inputs.sin)
 
-        latent = self.kv_layernorm(kv_c[..., :lat])
-        k_rope = apply_interleaved_rope(kv_c[..., lat:], inputs.cos, inputs.sin)
-        kv = copy_to_tensor_model_parallel_region(torch.cat([latent, k_rope], dim=-1), group=group)
+        fuse = fusions.on(cfg, x)
+        kv_norm = self.kv_layernorm
+        kv = copy_to_tensor_model_parallel_region(
+            latent_key(kv_c, kv_norm.weight, kv_norm.eps, inputs.cos, inputs.sin, lat, fuse=fuse), group=group)
 
         w_kv = dense_weight(self.linear_kv_up_proj).view(h, nope + dv, lat)
         w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
         q_lat = torch.einsum("sbhn,hnc->sbhc", q_nope, w_uk)
-        q_abs = torch.cat([q_lat, q_rope], dim=-1)
+        q_abs = absorbed_query(q_lat, q_rope, inputs.cos, inputs.sin, fuse=fuse)
 
         to_tokens = lambda t: t.transpose(0, 1).reshape(b * s, *t.shape[2:])
         core = lambda q_, kv_, x_, qr_: self.core_attention(q_, kv_, x_, qr_, inputs)

@@ -29,6 +29,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, compute_routing_scores_for_aux_loss
@@ -36,11 +37,13 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_glm5.mcore_patches import registry as mcore_patches
 from megatron_glm5.mcore_patches.moe_fused_permute import permutes_with_moe_utils
+from megatron_glm5.model import fusions
 from megatron_glm5.model.hybridep_dispatcher import HierarchicalTokenDispatcher, hybridep_backend
 from megatron_glm5.model.params import param_device
 from megatron_glm5.model.permute_fusion import moe_permute_fusion_enabled
 
 
+@fusions.region
 def glm5_topk_routing(logits, expert_bias, topk: int, n_group: int, topk_group: int, norm_topk_prob: bool,
                       scaling_factor: float):
     """logits [N, E] (fp32) -> (probs [N, E] with the combine weight at chosen experts, routing_map [N, E] bool)."""
@@ -80,7 +83,7 @@ class GLM5Router(TopKRouter):
         logits = self.apply_z_loss(logits, padding_mask=padding_mask)
         probs, routing_map = glm5_topk_routing(
             logits, self.expert_bias, self.topk, cfg.moe_router_num_groups or 1, cfg.moe_router_group_topk or 1,
-            cfg.moe_norm_topk_prob, cfg.moe_router_topk_scaling_factor or 1.0)
+            cfg.moe_norm_topk_prob, cfg.moe_router_topk_scaling_factor or 1.0, fuse=fusions.on(cfg, logits))
         probs = probs.to(logits.dtype)
         if cfg.moe_expert_capacity_factor is not None:
             probs, routing_map = apply_router_token_dropping(
@@ -178,7 +181,9 @@ class GLM5GroupedExperts(MegatronModule):
         return grouped_linear(act, self.weight2, offsets, counts)
 
     def activation(self, h: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up, weighted by the token's combine weight."""
+        """silu(gate) * up, weighted by the token's combine weight (--fusions: megatron-core's fused SwiGLU)."""
+        if fusions.on(self.config, h):
+            return weighted_bias_swiglu_impl(h, None, permuted_probs.unsqueeze(-1))
         gate, up = h.split(self.ffn_local, dim=-1)
         act = F.silu(gate) * up
         return (act.float() * permuted_probs.float().unsqueeze(-1)).to(act.dtype)

@@ -4,7 +4,16 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_glm5.model import fusions
 from megatron_glm5.model.params import param_device
+
+
+@fusions.region
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)): statistics in fp32, the normalised x cast back to x's dtype before the weight."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 class GLM5RMSNorm(MegatronModule):
@@ -23,9 +32,7 @@ class GLM5RMSNorm(MegatronModule):
         setattr(self.weight, "sequence_parallel", sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, fuse=fusions.on(self.config, x))
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_glm5.model import fusions
+
 
 def rope_angles(position_ids: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [s, b, rope_dim // 2] (fp32) for position_ids of shape [b, s]."""
@@ -29,3 +31,9 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     x32 = x.float()
     x_even, x_odd = x32[..., 0::2], x32[..., 1::2]
     return torch.cat([x_even * cos - x_odd * sin, x_odd * cos + x_even * sin], dim=-1).to(x.dtype)
+
+
+@fusions.region
+def rope_prefix(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """``x`` [..., D] with its first ``rope_dim`` dims rotated (the indexer's query and key), the rest unchanged."""
+    return torch.cat([apply_interleaved_rope(x[..., :rope_dim], cos, sin), x[..., rope_dim:]], dim=-1)
