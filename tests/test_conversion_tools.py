@@ -837,16 +837,18 @@ def test_finetune_follows_the_checkpoints_mtp(tmp_path):
     --load alone takes the model from the checkpoint and trains without MTP (it used to stop asking for --no-mtp);
     --mtp trains a freshly initialised MTP layer, saying so."""
     from hf_tiny import make_hf_model, save_hf_model
-    from training_helpers import check_ok, read_metrics, run_entry
+    from training_helpers import check_ok, read_metrics, run_entries
 
     hf, _ = make_hf_model("tiny", seed=4)
     save_hf_model(hf, tmp_path / "plain")
     to_megatron(tmp_path / "plain", tmp_path / "mc")
     flags = ["--load", tmp_path / "mc", "--finetune", "--train-iters", "2", "--lr-warmup-iters", "0",
              "--eval-iters", "0", "--log-interval", "1"]
-    plain = check_ok(run_entry("finetune", flags + ["--save", tmp_path / "s1"], tmp_path))
+    plain, fresh = run_entries([("finetune", flags + ["--save", tmp_path / "s1"], tmp_path),
+                                ("finetune", flags + ["--mtp", "--save", tmp_path / "s2"], tmp_path)])  # at once
+    check_ok(plain)
     assert "holds no MTP weights: training without the MTP layer" in plain.stdout + plain.stderr
     assert not any("mtp-loss" in r for r in read_metrics(tmp_path / "s1" / "tensorboard"))
-    fresh = check_ok(run_entry("finetune", flags + ["--mtp", "--save", tmp_path / "s2"], tmp_path))
+    check_ok(fresh)
     assert "the MTP layer starts freshly initialised" in fresh.stdout + fresh.stderr
     assert any("mtp-loss" in r for r in read_metrics(tmp_path / "s2" / "tensorboard"))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from training_helpers import assert_user_error, run_entry  # noqa: E402
+from training_helpers import assert_user_error, run_entries  # noqa: E402
 
 TINY = ["--train-iters", "2", "--eval-iters", "0", "--seq-length", "64"]
 
@@ -40,11 +40,12 @@ def read_only_dir(path: Path):
 def test_read_only_tensorboard_dir_and_save_are_refused_at_start(tmp_path):
     with read_only_dir(tmp_path / "ro") as ro:
         save = tmp_path / "save"
-        proc = run_entry("finetune", [*TINY, "--save", save, "--tensorboard-dir", ro / "tb"], tmp_path)
+        proc, run_proc = run_entries([("finetune", [*TINY, "--save", save, "--tensorboard-dir", ro / "tb"], tmp_path),
+                                      ("finetune", [*TINY, "--save", ro / "run"], tmp_path)])  # both at once
         message = assert_user_error(proc, f"--tensorboard-dir {ro / 'tb'}: cannot write there: {ro} is not writable",
                                     "give a writable directory")
         assert not save.exists(), sorted(save.iterdir())  # refused before the run claimed --save
         assert "iter " not in proc.stdout, message  # before the first step
-        proc = run_entry("finetune", [*TINY, "--save", ro / "run"], tmp_path)
+        proc = run_proc
         assert_user_error(proc, f"--save {ro / 'run'}")
         assert "iter " not in proc.stdout
