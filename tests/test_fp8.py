@@ -301,10 +301,22 @@ def test_keep_fp8_import_and_export_are_bitwise(release):
             assert torch.equal(_bits(out[k]), _bits(v)), k
     with open(root / "out8" / "config.json") as f:
         qc = json.load(f)["quantization_config"]
+    # the release's form: full names per layer (tiny: layer 0 dense, 1-3 MoE, every layer a full indexer, MTP = 4)
+    indexer = [f"model.layers.{i}.self_attn.{m}" for i in range(5) for m in ("indexer.weights_proj", "indexers_proj")]
+    expected = {"model.embed_tokens", "lm_head", *indexer, *(f"model.layers.{i}.mlp.gate" for i in (1, 2, 3, 4)),
+                *(f"model.layers.4.{m}" for m in ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm",
+                                                  "shared_head.head"))}
+    not_convert = qc.pop("modules_to_not_convert")
+    assert len(not_convert) == len(expected) and set(not_convert) == expected
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                  "weight_block_size": [128, 128],
-                  "modules_to_not_convert": ["lm_head", "model.embed_tokens", "mlp.gate", "indexer.weights_proj",
-                                             "eh_proj", "shared_head"]}
+                  "weight_block_size": [128, 128]}
+    # no listed name is a substring of an FP8 module's name (loaders that match substrings keep them FP8)
+    fp8_modules = {k[:-len(".weight")] for k, v in out.items() if v.dtype == E4M3}
+    assert fp8_modules and not [(n, m) for n in not_convert for m in fp8_modules if n in m]
+    # and every high-precision matrix of the export is listed by its own name
+    kept = {k[:-len(".weight")] for k, v in out.items() if v.dim() == 2 and v.dtype != E4M3
+            and not k.endswith("_scale_inv")}
+    assert kept <= set(not_convert), kept - set(not_convert)
 
     convert_megatron_to_hf(str(root / "ckpt8"), str(root / "out32"), dtype="fp32", progress=False)
     deq = _read_dir(root / "out32")

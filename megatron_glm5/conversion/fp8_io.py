@@ -41,15 +41,38 @@ from megatron_glm5.fp8.blocks import BLOCK, FP8_DTYPE, SCALE_SUFFIX, dequantize_
 
 HF_SCALE_SUFFIX = "weight_scale_inv"  # HF: <module>.weight -> <module>.weight_scale_inv
 MCORE_SCALE_SUFFIX = SCALE_SUFFIX  # megatron: <tensor> -> <tensor>_scale_inv (fp8/blocks.py)
-MODULES_TO_NOT_CONVERT = ["lm_head", "model.embed_tokens", "mlp.gate", "indexer.weights_proj", "eh_proj",
-                          "shared_head"]
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                       "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": MODULES_TO_NOT_CONVERT}
+                       "weight_block_size": [BLOCK, BLOCK]}  # + modules_to_not_convert(cfg, include_mtp)
 # the HF matrices the release stores in FP8 (per decoder layer, MTP's inner layer included)
 _FP8_WEIGHT = re.compile(
     r"model\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|indexer\.wq_b|indexer\.wk)"
     r"|mlp\.(gate_proj|up_proj|down_proj)|mlp\.shared_experts\.(gate_proj|up_proj|down_proj)"
     r"|mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj))\.weight")
+
+
+def modules_to_not_convert(cfg, include_mtp: bool) -> List[str]:
+    """The export's ``modules_to_not_convert`` in the release's form: full module names, layer by layer (the MoE
+    layers' router ``mlp.gate``, every full-indexer layer's indexer projection, the MTP layer's embedding, norms,
+    ``eh_proj`` and ``shared_head``), so that every loader's matching rule finds them -- exact names (vLLM's default),
+    dot-boundary or prefix (sglang, transformers) and plain substrings. Short suffixes would not: ``mlp.gate`` is a
+    substring of the dense layers' ``mlp.gate_proj``. The indexer's projection is named twice: by its real name
+    ``self_attn.indexer.weights_proj`` and as the releases spell it, ``self_attn.indexers_proj`` (a name no module
+    has, which loaders of the release translate; docs/fp8.md gives the sources)."""
+    names = ["model.embed_tokens", "lm_head"]
+    n = cfg.num_hidden_layers
+    mtp = range(n, n + (cfg.num_nextn_predict_layers or 0)) if include_mtp else range(0)
+    layers = [(i, cfg.mlp_layer_types[i] == "sparse", cfg.indexer_types[i] == "full") for i in range(n)]
+    layers += [(i, True, True) for i in mtp]  # conversion_plan: the MTP layer is MoE with a full indexer
+    for i, moe, full in layers:
+        prefix = f"model.layers.{i}."
+        if moe:
+            names.append(prefix + "mlp.gate")
+        if full:
+            names += [prefix + "self_attn.indexer.weights_proj", prefix + "self_attn.indexers_proj"]
+        if i in mtp:
+            names += [prefix + m for m in ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head.norm",
+                                           "shared_head.head")]
+    return names
 
 
 class FP8ConversionError(UserError, ValueError):
@@ -95,6 +118,7 @@ class FP8Export:
     """What --dtype fp8 / an FP8 checkpoint changes in an export: per HF tensor name, how its bytes are made."""
     modes: Dict[str, dict] = field(default_factory=dict)  # name -> {"mode": ..., extra fields of the job}
     wrote_fp8: bool = False
+    modules_to_not_convert: List[str] = field(default_factory=list)
 
 
 def _scale_placement_block(row, reader, scale_key: str, j: int):
@@ -108,7 +132,7 @@ def plan_fp8_export(cfg, reader: TorchDistReader, include_mtp: bool, dtype: Opti
 
     ``dtype`` FP8_DTYPE: eligible matrices in FP8 (copied or quantised) plus their scale tensors; None (auto): the
     same when the checkpoint holds an FP8 base; bf16/fp32: FP8-stored tensors dequantised."""
-    plan = FP8Export()
+    plan = FP8Export(modules_to_not_convert=modules_to_not_convert(cfg, include_mtp))
     if dtype is None and any(reader.dtype(k) == FP8_DTYPE for k in reader.tensor_keys() if "optimizer." not in k):
         dtype = FP8_DTYPE  # auto on an FP8 base: the release's layout again
     by_name = {it.out.name: it for it in items}
@@ -211,7 +235,8 @@ def fp8_export_jobs(jobs: list, plan: FP8Export) -> list:
 def export_hf_config(hf_config: dict, plan: FP8Export) -> dict:
     """config.json of an FP8 export: the release's quantization_config, compute dtype bf16."""
     if plan.wrote_fp8:
-        hf_config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        hf_config["quantization_config"] = dict(QUANTIZATION_CONFIG,
+                                                modules_to_not_convert=list(plan.modules_to_not_convert))
         hf_config["dtype"] = "bfloat16"
         if "torch_dtype" in hf_config:
             hf_config["torch_dtype"] = "bfloat16"
