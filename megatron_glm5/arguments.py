@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_glm5.config import DSA_STAGES, PRESETS  # stdlib-only module: cheap to import
 from megatron_glm5.sample_limits import MAX_SAMPLE_BYTES  # stdlib-only module
-from megatron_glm5.errors import UserError
+from megatron_glm5.errors import FlagError, UserError
 from megatron_glm5.training import memory_options  # stdlib-only module: the memory options' flags and checks
 from megatron_glm5.training import muon_flags  # stdlib-only module: the Muon flags and checks
 from megatron_glm5.lora import flags as lora_flags  # stdlib-only module: the LoRA flags and checks
@@ -100,12 +100,8 @@ _DEFAULT_DATA = {
 }
 
 
-class ArgumentError(UserError, ValueError):
+class ArgumentError(FlagError):
     """A bad flag or flag combination.  ``flag`` names the (first) offending flag when there is one."""
-
-    def __init__(self, message: str, flag: Optional[str] = None):
-        super().__init__(message)
-        self.flag = flag
 
 
 # --------------------------------------------------------------------------------------------------------------

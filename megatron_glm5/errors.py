@@ -13,8 +13,21 @@ This module has no dependencies, so every module may import it.
 
 from __future__ import annotations
 
-__all__ = ["UserError"]
+from typing import Optional
+
+__all__ = ["FlagError", "UserError"]
 
 
 class UserError(Exception):
     """An error the user can fix; its message says what is wrong and what to do instead."""
+
+
+class FlagError(UserError, ValueError):
+    """A bad flag value or flag combination; ``flag`` names the (first) offending flag when there is one, by default
+    the subclass's ``FLAG`` (the flag module's own)."""
+
+    FLAG: Optional[str] = None
+
+    def __init__(self, message: str, flag: Optional[str] = None):
+        super().__init__(message)
+        self.flag = flag if flag is not None else self.FLAG

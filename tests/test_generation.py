@@ -23,6 +23,8 @@ from megatron_glm5.generation.decode import cached_forward, generate
 from megatron_glm5.generation.kv_cache import KVCache, cache_bytes_per_token
 from megatron_glm5.generation.sampling import Sampler, SamplingError, SamplingParams, filter_logits, stop_token_ids
 
+from generation_cli import one_line_error
+
 REPO = Path(__file__).resolve().parents[1]
 RTOL = 1e-5  # fp32 on CPU: the cached and the full forward differ only by summation order
 
@@ -230,29 +232,6 @@ def test_generate_tool_end_to_end_on_a_training_checkpoint(layouts_reference, tm
     assert printed["ppl"] == pytest.approx(perplexity(model, tok, str(path))["ppl"], rel=1e-9)
 
 
-def _one_line_error(capsys, argv, env=None) -> str:
-    from megatron_glm5.arguments import main_guard
-    from megatron_glm5.generation import cli
-
-    capsys.readouterr()
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        with pytest.raises(SystemExit) as e:
-            with main_guard():
-                cli.main([str(a) for a in argv])
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    assert e.value.code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
-
-
 def test_bad_input_is_one_line(tmp_path, capsys):
     from hf_tiny import make_hf_model, save_hf_model
 
@@ -267,29 +246,29 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     empty_file = tmp_path / "empty.jsonl"
     empty_file.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
 
-    msg = _one_line_error(capsys, ["--prompt", "hi"])
+    msg = one_line_error(capsys, ["--prompt", "hi"])
     assert "--load" in msg and "--hf-dir" in msg
-    assert "--load /no/such/dir: no such directory" in _one_line_error(capsys, ["--load", "/no/such/dir",
+    assert "--load /no/such/dir: no such directory" in one_line_error(capsys, ["--load", "/no/such/dir",
                                                                                 "--prompt", "hi"])
-    assert f"--prompts-file {tmp_path}/missing.jsonl: no such file" in _one_line_error(
+    assert f"--prompts-file {tmp_path}/missing.jsonl: no such file" in one_line_error(
         capsys, ["--hf-dir", hf_dir, "--prompts-file", tmp_path / "missing.jsonl"])
-    assert "--prompt 1: empty prompt" in _one_line_error(capsys, ["--hf-dir", hf_dir, "--prompt", "  "])
-    assert f"{empty_file}:2: empty prompt" in _one_line_error(capsys, ["--hf-dir", hf_dir, "--prompts-file",
+    assert "--prompt 1: empty prompt" in one_line_error(capsys, ["--hf-dir", hf_dir, "--prompt", "  "])
+    assert f"{empty_file}:2: empty prompt" in one_line_error(capsys, ["--hf-dir", hf_dir, "--prompts-file",
                                                                        empty_file])
-    msg = _one_line_error(capsys, ["--hf-dir", hf_dir, "--prompts-file", long_file])
+    msg = one_line_error(capsys, ["--hf-dir", hf_dir, "--prompts-file", long_file])
     assert "prompt 1 has 4201 tokens, the model's max_position_embeddings is 4096" in msg
-    assert "model_type" in _one_line_error(capsys, ["--hf-dir", other, "--prompt", "hi"])
-    msg = _one_line_error(capsys, ["--hf-dir", hf_dir, "--prompt", "hi"], env={"WORLD_SIZE": "2"})
+    assert "model_type" in one_line_error(capsys, ["--hf-dir", other, "--prompt", "hi"])
+    msg = one_line_error(capsys, ["--hf-dir", hf_dir, "--prompt", "hi"], env={"WORLD_SIZE": "2"})
     assert "runs in one process (WORLD_SIZE=2)" in msg
     long_eval = tmp_path / "long_eval.jsonl"
     long_eval.write_text(json.dumps({"text": "a " * 4200}) + "\n")
-    msg = _one_line_error(capsys, ["--hf-dir", hf_dir, "--eval", long_eval])
+    msg = one_line_error(capsys, ["--hf-dir", hf_dir, "--eval", long_eval])
     assert f"{long_eval}:1: 4202 tokens, more than the model's max_position_embeddings (4096) + 1" in msg
-    assert "--top-p 0.0: must be in (0, 1]" in _one_line_error(capsys, ["--hf-dir", hf_dir, "--prompt", "hi",
+    assert "--top-p 0.0: must be in (0, 1]" in one_line_error(capsys, ["--hf-dir", hf_dir, "--prompt", "hi",
                                                                        "--top-p", "0"])
     small = tmp_path / "small_vocab"
     save_hf_model(make_hf_model("tiny", seed=0, vocab_size=256)[0], small)
-    msg = _one_line_error(capsys, ["--hf-dir", small, "--prompt", "hi"])
+    msg = one_line_error(capsys, ["--hf-dir", small, "--prompt", "hi"])
     assert "--tokenizer tiny: 512 token ids, the model's vocabulary has 256" in msg
 
 

@@ -14,10 +14,8 @@ that the parallel runs use). The prompts are ragged (a chat prompt of 2 tokens, 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import pytest
 import torch
 
 from layouts_harness import TORCHRUN, _env
+from generation_cli import one_line_error
 
 REPO = Path(__file__).resolve().parents[1]
 RTOL = 1e-5
@@ -126,40 +125,17 @@ def test_tp2_pp2_ep2_decode_as_one_process(checkpoints, tmp_path, capsys):
             assert worst <= RTOL, f"{name} {run}: logits differ from one process's by {worst:.2e}"
 
 
-def _one_line_error(capsys, argv, env=None) -> str:
-    from megatron_glm5.arguments import main_guard
-    from megatron_glm5.generation import cli
-
-    capsys.readouterr()
-    old = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        with pytest.raises(SystemExit) as e:
-            with main_guard():
-                cli.main([str(a) for a in argv])
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    assert e.value.code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and err[0].startswith("error: "), err
-    return err[0]
-
-
 def test_layouts_decoding_cannot_run_are_one_line(checkpoints, capsys):
     load = ["--load", checkpoints["training"], "--prompt", "hi"]
-    msg = _one_line_error(capsys, load + ["--tp", "2"])
+    msg = one_line_error(capsys, load + ["--tp", "2"])
     assert ("world size 1 is not divisible by --tp 2 x --pp 1 x --cp 1 = 2; this is a single process: launch 2 "
             "with torchrun, e.g. torchrun --nproc-per-node 2 tools/generate.py <the same flags>") in msg
-    msg = _one_line_error(capsys, load + ["--ep", "3"], env={"WORLD_SIZE": "2"})
+    msg = one_line_error(capsys, load + ["--ep", "3"], env={"WORLD_SIZE": "2"})
     assert "world size 2 is not divisible by --etp 1 x --ep 3 x --pp 1 = 3 (the expert layout)" in msg
-    assert "--cp 2: decoding runs without context parallelism" in _one_line_error(capsys, load + ["--cp", "2"])
-    assert "--sequence-parallel: decoding runs without it" in _one_line_error(
+    assert "--cp 2: decoding runs without context parallelism" in one_line_error(capsys, load + ["--cp", "2"])
+    assert "--sequence-parallel: decoding runs without it" in one_line_error(
         capsys, load + ["--tp", "2", "--sequence-parallel"])
-    assert "--vpp 2: decoding runs one model chunk per pipeline stage" in _one_line_error(
+    assert "--vpp 2: decoding runs one model chunk per pipeline stage" in one_line_error(
         capsys, load + ["--pp", "2", "--vpp", "2"])
-    assert "--pp 3 does not divide the model's 4 layers" in _one_line_error(capsys, load + ["--pp", "3"],
+    assert "--pp 3 does not divide the model's 4 layers" in one_line_error(capsys, load + ["--pp", "3"],
                                                                           env={"WORLD_SIZE": "3"})

@@ -11,19 +11,17 @@ import argparse
 import os
 from typing import Any, Dict, Optional, Tuple
 
-from megatron_glm5.errors import UserError
+from megatron_glm5.errors import FlagError
 
 CHOICES = ("bf16", "fp8")
 BLOCK = 128  # fp8/blocks.py's (not imported: that module imports torch)
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
 
 
-class FP8FlagError(UserError, ValueError):
+class FP8FlagError(FlagError):
     """--base-precision fp8 with a run it cannot serve (one line naming the flag)."""
 
-    def __init__(self, message: str, flag: str = "--base-precision"):
-        super().__init__(message)
-        self.flag = flag
+    FLAG = "--base-precision"
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -5,19 +5,17 @@ from __future__ import annotations
 import argparse
 from typing import Dict
 
-from megatron_glm5.errors import UserError
+from megatron_glm5.errors import FlagError
 
 __all__ = ["CE_FUSIONS", "CrossEntropyFusionError", "add_flags", "config_overrides"]
 
 CE_FUSIONS = ("none", "chunked")
 
 
-class CrossEntropyFusionError(UserError, ValueError):
+class CrossEntropyFusionError(FlagError):
     """An unknown --cross-entropy-fusion value given through the Python API (argparse checks the flag's)."""
 
-    def __init__(self, message: str, flag: str = "--cross-entropy-fusion"):
-        super().__init__(message)
-        self.flag = flag
+    FLAG = "--cross-entropy-fusion"
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

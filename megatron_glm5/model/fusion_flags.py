@@ -10,19 +10,17 @@ from __future__ import annotations
 import argparse
 from typing import Dict, Optional
 
-from megatron_glm5.errors import UserError
+from megatron_glm5.errors import FlagError
 
 __all__ = ["FUSIONS", "FusionsError", "add_flags", "config_overrides"]
 
 FUSIONS = ("auto", "none")
 
 
-class FusionsError(UserError, ValueError):
+class FusionsError(FlagError):
     """An unknown --fusions value given through the Python API (argparse checks the flag's)."""
 
-    def __init__(self, message: str, flag: str = "--fusions"):
-        super().__init__(message)
-        self.flag = flag
+    FLAG = "--fusions"
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -28,20 +28,16 @@ recompute) and Megatron-FSDP (CUDA-only at construction).
 from __future__ import annotations
 
 import argparse
-from typing import Dict, Optional
+from typing import Dict
 
-from megatron_glm5.errors import UserError
+from megatron_glm5.errors import FlagError
 
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")
 DEFAULT_OFFLOAD_FRACTION = 1.0
 
 
-class MemoryOptionError(UserError, ValueError):
+class MemoryOptionError(FlagError):
     """A memory option that megatron-core cannot run in this combination; ``flag`` names the option."""
-
-    def __init__(self, message: str, flag: Optional[str] = None):
-        super().__init__(message)
-        self.flag = flag
 
 
 def _fraction(text: str) -> float:

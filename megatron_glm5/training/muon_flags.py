@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from megatron_glm5.errors import UserError
+from megatron_glm5.errors import FlagError, UserError
 
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 MUON_STATE_BYTES = 4  # one fp32 momentum buffer per element (Adam: two fp32 moments)
@@ -21,12 +21,8 @@ def takes_muon(name: str, kind: str) -> bool:
         and "norm." not in name
 
 
-class MuonFlagError(UserError, ValueError):
+class MuonFlagError(FlagError):
     """A Muon flag out of range or in a combination Muon cannot run; ``flag`` names it."""
-
-    def __init__(self, message: str, flag: str):
-        super().__init__(message)
-        self.flag = flag
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
