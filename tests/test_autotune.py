@@ -154,3 +154,42 @@ def test_registry_auto_asks_the_ranking_once_per_shape(monkeypatch):
     assert registry.get_backend("auto", shape=SHAPE).name == "triton"
     assert calls == [["cudnn", "tilelang", "flashmla", "triton"]]
     assert registry.get_backend("auto").name == "cudnn"  # no shape: the fixed order
+
+
+def test_training_measures_at_the_runs_shape_on_rank_0_and_broadcasts(monkeypatch):
+    """training/loop.auto_attention_backend: with CUDA, rank 0 asks the registry for the run's shape (TP-local heads,
+    the sequence bucket); the other ranks take rank 0's choice from a broadcast and measure nothing."""
+    import argparse
+
+    import torch
+
+    import megatron_glm5.ops as ops
+    from megatron_glm5.config import GLM5Config
+    from megatron_glm5.training import loop
+
+    cfg = GLM5Config.from_preset("tiny")
+    args = argparse.Namespace(model_config=cfg, seq_length=100)
+    asked = []
+    monkeypatch.setattr(ops, "get_backend", lambda name, shape=None: asked.append((name, shape)) or Fake("tilelang"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert loop.auto_attention_backend(args, {"tensor_model_parallel_size": 2, "dsa_backend": "auto"}) == "tilelang"
+    (name, shape), = asked
+    assert name == "auto" and shape.heads == cfg.num_attention_heads // 2 and shape.tokens == 128
+    assert shape.d_v == cfg.kv_lora_rank and shape.topk == min(cfg.index_topk, 128)
+
+    broadcasts = []
+
+    def broadcast(objs, src):
+        broadcasts.append((list(objs), src))
+        objs[0] = "cudnn"  # what rank 0 sent
+
+    monkeypatch.setattr(loop.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(loop.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(loop.dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(loop.dist, "broadcast_object_list", broadcast)
+    asked.clear()
+    assert loop.auto_attention_backend(args, {"dsa_backend": "auto"}) == "cudnn"
+    assert asked == [] and broadcasts == [([None], 0)]
+    monkeypatch.setattr(loop.dist, "get_rank", lambda: 0)
+    assert loop.auto_attention_backend(args, {"dsa_backend": "auto"}) == "cudnn"  # rank 0 sends its own
+    assert len(asked) == 1 and broadcasts[-1] == (["tilelang"], 0)

@@ -61,6 +61,29 @@ class _ExitSignal:
         return bool(flag.item() > 0)
 
 
+def auto_attention_backend(args, overrides) -> str:
+    """--attn auto in training: the installed backend measured fastest at this run's attention shape (local heads,
+    widths, top-k, sequence bucket, dtype) on this GPU (ops/autotune.py, cached), decided on global rank 0 alone and
+    broadcast, so that every rank of the job runs the same kernels (a near tie measured on each rank could
+    otherwise pick different ones). Without CUDA: the fixed order (ops/registry.AUTO_PREFERENCE)."""
+    from megatron_glm5.ops import get_backend
+    from megatron_glm5.ops.autotune import shape_from_config
+
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    name = None
+    if not several or dist.get_rank() == 0:
+        shape = None
+        if torch.cuda.is_available():
+            tcfg = args.model_config.to_transformer_config(**dict(overrides, dsa_backend="torch"))
+            shape = shape_from_config(tcfg, seq_length=args.seq_length)
+        name = get_backend("auto", shape=shape).name
+    if several:
+        chosen = [name]
+        dist.broadcast_object_list(chosen, src=0)
+        name = chosen[0]
+    return name
+
+
 def build_model_chunks(args):
     from megatron_glm5.arguments import args_to_overrides
     from megatron_glm5.lora.apply import apply_lora
@@ -69,8 +92,7 @@ def build_model_chunks(args):
 
     overrides = args_to_overrides(args)
     if overrides.get("dsa_backend") == "auto":
-        from megatron_glm5.ops import get_backend
-        overrides["dsa_backend"] = get_backend("auto").name
+        overrides["dsa_backend"] = auto_attention_backend(args, overrides)
     warmup = args.dsa_stage == "dense-warmup"  # trains the indexers alone (args_to_overrides keeps the bias too)
     vpp = args.virtual_pipeline_model_parallel_size or 1
     chunks = []
