@@ -71,6 +71,15 @@ def check_typing_override():
     return {"override_is_te": typing.override is typing_extensions.override}
 
 
+def check_eager_compile():
+    import torch
+    from megatron.core.transformer.moe import router  # noqa: F401  (@jit_fuser and a bare @torch.compile)
+    assert "torch._dynamo" not in sys.modules, "importing megatron.core imported torch._dynamo"
+    helper = router.TopKRouter._apply_expert_bias  # @jit_fuser: the function itself, not a compiled wrapper
+    return {"fuser_returns_the_function": helper.__code__.co_filename.endswith(os.path.join("moe", "router.py")),
+            "compile_is_torchs": (torch.compile.__module__, torch.compile.__qualname__) == ("torch", "compile")}
+
+
 def check_rng():
     import torch
     from megatron.core import tensor_parallel
@@ -423,7 +432,7 @@ print("@@RESULTS@@" + json.dumps(results), flush=True)
 
 # Positive checks that share one process (order matters: init tears down at the end).
 POSITIVE = [
-    "import_core", "typing_override", "rng", "current_device", "streams",
+    "import_core", "typing_override", "eager_compile", "rng", "current_device", "streams",
     "clip", "redirect", "tensor_type", "init",
 ]
 
@@ -434,6 +443,9 @@ NEGATIVE = {
     "typing_override": (
         "typing_override", "ImportError", "cannot import name 'override' from 'typing'",
         "hybrid.py:<module>"),
+    "cpu_eager_compile": (
+        "eager_compile", "AssertionError", "importing megatron.core imported torch._dynamo",
+        "<string>:check_eager_compile"),
     "cpu_rng_tracker": (
         "rng", "AssertionError", "Torch not compiled with CUDA enabled", "random.py:add"),
     "cuda_current_device": (
@@ -546,7 +558,7 @@ def _value(runs, job, check, proc=0):
 
 def test_registry_order_and_phases():
     assert list(registry.PATCHES)[:len(SHIMS)] == list(PRE_IMPORT_SHIMS) + list(CPU_SHIMS)
-    assert PRE_IMPORT_SHIMS == ("triton_free_paged_stash", "typing_override")
+    assert PRE_IMPORT_SHIMS == ("triton_free_paged_stash", "typing_override", "cpu_eager_compile")
     # every shim has a negative test, and every shim documents itself
     assert set(NEGATIVE) == set(SHIMS)
     for fn in (registry.PATCHES[name].apply for name in SHIMS):  # each names the megatron-core file that needs it
@@ -625,6 +637,14 @@ def test_import_megatron_core_uses_paged_stash_stub(runs):
 @cpu_only
 def test_typing_override_lets_megatron_training_import(runs):
     assert _value(runs, "positive", "typing_override") == {"override_is_te": True}
+
+
+@cpu_only
+def test_megatron_core_fusers_run_eagerly_on_cpu(runs):
+    """Without CUDA, importing megatron.core compiles nothing: its @jit_fuser helpers are the functions themselves;
+    torch.compile itself (outside megatron.core) is torch's."""
+    assert _value(runs, "positive", "eager_compile") == {"fuser_returns_the_function": True,
+                                                         "compile_is_torchs": True}
 
 
 @cpu_only

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 from megatron_glm5.mcore_patches import (
     cpu_device,
+    cpu_eager_compile,
     cpu_literals,
     cpu_moe,
     cpu_optimizer,
@@ -39,8 +40,8 @@ from megatron_glm5.mcore_patches.record import Patch, Phase
 DISABLE_ENV = "MEGATRON_GLM5_DISABLE_SHIMS"
 
 # modules in application order (within a phase: the order of this list, then of each module's PATCHES)
-_MODULES = (import_shims, cpu_rng, cpu_device, cpu_optimizer, cpu_moe, cpu_literals, optimizer_resume,
-            gpt_model_log, mtp_roll, transformer_block, moe_fused_permute)
+_MODULES = (import_shims, cpu_eager_compile, cpu_rng, cpu_device, cpu_optimizer, cpu_moe, cpu_literals,
+            optimizer_resume, gpt_model_log, mtp_roll, transformer_block, moe_fused_permute)
 
 
 def _collect() -> Dict[str, Patch]:
