@@ -318,3 +318,68 @@ def test_collate_padded(tok):
     # plain id lists: every token but the first is a target
     plain = collate_padded([[1, 2, 3]], seq_length=4, pad_id=0)
     assert plain["loss_mask"].tolist() == [[1.0, 1.0, 0.0, 0.0]]
+
+
+def test_sft_token_cache_reuses_exactly_and_misses_on_any_change(tmp_path, tok, monkeypatch, caplog):
+    """data/sft_cache.py: a second dataset of the same file reads its tokens from the cache (tokenizing nothing) and
+    equals an uncached one bit for bit at another seq_length; a changed file, chat template or code misses; a file
+    with bad lines, max_samples and MEGATRON_GLM5_SFT_CACHE=0 write nothing; a damaged entry is recomputed."""
+    from megatron_glm5.data import sft, sft_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv(sft_cache.ENV, raising=False)
+    cache_dir = tmp_path / "xdg" / "megatron_glm5" / "sft"
+    path = _write_jsonl(tmp_path / "chat.jsonl", [case for case, _ in CASES])
+    first = SFTDataset(path, tok, seq_length=512)
+    entries = sorted(os.listdir(cache_dir))
+    assert len(entries) == 1 and entries[0].startswith("chat-") and entries[0].endswith(".npz")
+
+    def no_tokenizing(*a, **k):
+        raise AssertionError("tokenized although the cache holds this file")
+
+    with monkeypatch.context() as m:
+        m.setattr(sft, "tokenize_chat", no_tokenizing)
+        cached = SFTDataset(path, tok, seq_length=20)  # truncation applies to the cached tokens
+    monkeypatch.setenv(sft_cache.ENV, "0")
+    fresh = SFTDataset(path, tok, seq_length=20)
+    monkeypatch.delenv(sft_cache.ENV)
+    assert cached.stats == fresh.stats and cached.stats.truncated > 0 and cached.lines == fresh.lines
+    for a, b in zip(cached, fresh):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+    assert len(first) == len(CASES) and first.stats.lines == cached.stats.lines == len(CASES)
+
+    # any change misses: the file's bytes, the chat template, the tokenization code
+    d = tmp_path / "tok"
+    shutil.copytree(TINY_TOKENIZER_DIR, d)
+    (d / "chat_template.jinja").write_text((d / "chat_template.jinja").read_text() + "\n")
+    keys = {sft_cache.cache_path(path, tok, False, 1 << 20), sft_cache.cache_path(path, load_tokenizer(str(d)),
+                                                                                    False, 1 << 20)}
+    _write_jsonl(tmp_path / "chat2.jsonl", [case for case, _ in CASES[:1]])
+    shutil.copy(tmp_path / "chat2.jsonl", path)  # same name, other content
+    keys.add(sft_cache.cache_path(path, tok, False, 1 << 20))
+    real_hash = sft_cache._hash_file
+    monkeypatch.setattr(sft_cache, "_hash_file",
+                        lambda h, f: h.update(b"edited") if f.endswith("sft.py") else real_hash(h, f))
+    keys.add(sft_cache.cache_path(path, tok, False, 1 << 20))
+    monkeypatch.setattr(sft_cache, "_hash_file", real_hash)
+    assert len(keys) == 4
+    assert len(SFTDataset(path, tok, seq_length=512)) == 1  # the edited file, not the cached five
+
+    # nothing written for bad lines, max_samples, or the cache off
+    shutil.rmtree(cache_dir)
+    bad = _write_jsonl(tmp_path / "bad.jsonl", [CASES[0][0], "{not json"])
+    assert SFTDataset(bad, tok, seq_length=512, skip_bad=True).stats.skipped_bad == 1
+    SFTDataset(path, tok, seq_length=512, max_samples=1)
+    monkeypatch.setenv(sft_cache.ENV, "0")
+    SFTDataset(path, tok, seq_length=512)
+    assert not cache_dir.exists()
+    monkeypatch.delenv(sft_cache.ENV)
+
+    # a damaged entry: one warning, tokenized again, rewritten whole
+    SFTDataset(path, tok, seq_length=512)
+    (entry,) = cache_dir.iterdir()
+    entry.write_bytes(b"garbage")
+    with caplog.at_level("WARNING"):
+        again = SFTDataset(path, tok, seq_length=512)
+    assert len(again) == 1 and any("could not be read" in r.getMessage() for r in caplog.records)
+    assert sft_cache.load(str(entry)) is not None

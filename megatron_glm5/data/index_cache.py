@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Optional, Union
 
+from megatron_glm5.data.cache_root import cache_root
 from megatron_glm5.data.jsonl import MAX_SAMPLE_BYTES, SKIPPED_SAMPLES, DataError, check_jsonl_path
 from megatron_glm5.data.preprocess import PreprocessResult, prefix_is_complete, preprocess_jsonl
 from megatron_glm5.data.tokenizer import TokenizerLike, load_tokenizer
@@ -17,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 def default_index_cache_dir() -> str:
     """Where :func:`ensure_indexed` puts prefixes built from jsonl files when no cache_dir is given."""
-    return os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "megatron_glm5", "indexed")
+    return os.path.join(cache_root(), "indexed")
 
 
 def ensure_indexed(path_or_prefix: Union[str, os.PathLike], tokenizer: TokenizerLike = None,

@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from megatron_glm5.data import sft_cache
 from megatron_glm5.data.jsonl import MAX_SAMPLE_BYTES, SKIPPED_SAMPLES, DataError, JsonlStats, iter_jsonl
 from megatron_glm5.data.tokenizer import ChatTemplateError, GLM5Tokenizer, load_tokenizer
 
@@ -200,12 +201,17 @@ class SFTDataset(torch.utils.data.Dataset):
         self.lines: List[int] = []
 
         jstats = JsonlStats()
-        for line_no, record in iter_jsonl(self.path, required={"messages": list}, skip_bad=skip_bad, stats=jstats,
-                                          validate=validate_chat_record, max_sample_bytes=max_sample_bytes):
-            try:
-                ids, mask = tokenize_chat(self.tokenizer, record["messages"], record.get("tools"))
-            except ChatTemplateError as e:
-                raise ChatTemplateError(f"{self.path}:{line_no}: {e}") from e
+        cache_file = None if max_samples is not None else sft_cache.cache_path(self.path, self.tokenizer, skip_bad,
+                                                                               max_sample_bytes)
+        cached = sft_cache.load(cache_file)
+        if cached is not None:
+            records, jstats.lines = cached
+        else:
+            records = self._tokenize(skip_bad, max_sample_bytes, jstats)
+        kept: sft_cache.Tokenized = []
+        for line_no, ids, mask in records:
+            if cache_file is not None and cached is None:
+                kept.append((line_no, ids, mask))
             if len(ids) > self.max_tokens:
                 if overlong == "drop":
                     self.stats.dropped_overlong += 1
@@ -221,6 +227,8 @@ class SFTDataset(torch.utils.data.Dataset):
             self.lines.append(line_no)
             if max_samples is not None and len(self._ids) >= max_samples:
                 break
+        if cached is None and jstats.skipped == 0:  # a complete pass over a file without bad lines
+            sft_cache.save(cache_file, kept, jstats.lines)
         self.stats.lines = jstats.lines
         self.stats.skipped_bad = jstats.skipped
         self.stats.reasons = dict(jstats.reasons)
@@ -235,6 +243,16 @@ class SFTDataset(torch.utils.data.Dataset):
             logger.warning("%s: %d samples; longer than %d tokens: truncated %d, dropped %d (+%d left without an "
                            "assistant token)", self.path, self.stats.samples, self.max_tokens, self.stats.truncated,
                            self.stats.dropped_overlong, self.stats.dropped_no_target)
+
+    def _tokenize(self, skip_bad: bool, max_sample_bytes: int, jstats: JsonlStats):
+        """(line number, ids, mask) of each record of the file, tokenized (the SFT token cache's miss path)."""
+        for line_no, record in iter_jsonl(self.path, required={"messages": list}, skip_bad=skip_bad, stats=jstats,
+                                          validate=validate_chat_record, max_sample_bytes=max_sample_bytes):
+            try:
+                ids, mask = tokenize_chat(self.tokenizer, record["messages"], record.get("tools"))
+            except ChatTemplateError as e:
+                raise ChatTemplateError(f"{self.path}:{line_no}: {e}") from e
+            yield line_no, ids, mask
 
     def __len__(self) -> int:
         return len(self._ids)

@@ -65,7 +65,8 @@ class GLM5Tokenizer:
     Attributes: ``vocab_size`` (all ids incl. added tokens), ``eod_id``, ``pad_id``, ``special_ids`` (token ->
     id, for the GLM control tokens this vocabulary has plus the tokenizer's own special tokens), ``stop_ids``
     (ids that end an assistant turn), ``name_or_path`` (what :func:`load_tokenizer` was given; the object pickles
-    by reloading from it), ``chat_template`` (jinja source).
+    by reloading from it), ``source`` (the directory or ``.model`` file it was read from), ``chat_template`` (jinja
+    source).
 
     Use :func:`load_tokenizer` to make one.
     """
@@ -75,6 +76,7 @@ class GLM5Tokenizer:
         self.backend = backend
         self._impl = impl
         self.name_or_path = name_or_path
+        self.source: Optional[str] = None  # the directory or .model file it was read from (set by the loaders)
         self.chat_template = chat_template
         self.eod_id = int(eod_id)
         self.pad_id = int(pad_id)
@@ -286,7 +288,9 @@ def _load_hf(directory: str, name_or_path: str) -> GLM5Tokenizer:
         raise TokenizerNotFoundError(f"tokenizer in {directory!r} has neither {EOD_TOKEN} nor an eos_token; set "
                                      f"eos_token in its tokenizer_config.json")
     pad = hf.pad_token_id if hf.pad_token_id is not None else eod
-    return GLM5Tokenizer("hf", hf, name_or_path, template, eod, pad, special_ids)
+    tok = GLM5Tokenizer("hf", hf, name_or_path, template, eod, pad, special_ids)
+    tok.source = directory
+    return tok
 
 
 def _sentencepiece_user_defined(model_file: str) -> Dict[str, int]:
@@ -332,7 +336,9 @@ def _load_sentencepiece(model_file: str, name_or_path: str) -> GLM5Tokenizer:
             template = f.read()
     else:
         template = _read_default_template()
-    return GLM5Tokenizer("sentencepiece", sp, name_or_path, template, eod, pad, special_ids)
+    tok = GLM5Tokenizer("sentencepiece", sp, name_or_path, template, eod, pad, special_ids)
+    tok.source = model_file
+    return tok
 
 
 #: what load_tokenizer takes: a tokenizer, a path or name, or None (the tiny tokenizer)
