@@ -74,6 +74,13 @@ class AttentionBackend:
         attn_lse: optionally, sparse_mla's lse for the same q, kv, indices, scale (a backend may reuse it)."""
         raise NotImplementedError
 
+    def deferred_indexer_kl(self, q_idx, k_idx, weights, idx_softmax_scale, q, d_v, indices, head_sum_reduce=None,
+                            per_token=False, on_value=None):
+        """The sparse-stage indexer KL deferred to the backward (``deferred_kl.DeferredIndexerKL``: pass it to
+        ``sparse_mla(..., kl_job=)`` and attach its ``token`` like the KL), where this backend's sparse-MLA backward
+        computes the KL target's head sums; None (the default): call ``indexer_kl_loss`` after ``sparse_mla``."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 

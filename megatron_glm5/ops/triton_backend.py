@@ -6,14 +6,16 @@ libraries do not cover).  triton itself is imported only when a kernel runs.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Callable, Optional
 
+from ..errors import UserError
 from . import reference
 from .base import AttentionBackend, no_cuda_reason, warn_once
 
-__all__ = ["TritonBackend", "TRITON_INSTALL"]
+__all__ = ["TritonBackend", "TritonSettingError", "TRITON_INSTALL", "defer_kl_default"]
 
 TRITON_INSTALL = "pip install 'megatron-glm5[gpu]'"
 #: tl.dot on a GPU needs every operand dimension >= 16 (the interpreter does not check it)
@@ -43,6 +45,20 @@ def _pow2_split(dim: int):
     return (hi, lo) if lo > 0 and lo & (lo - 1) == 0 else None
 
 
+class TritonSettingError(UserError, ValueError):
+    """A bad value of one of the Triton backend's environment settings."""
+
+
+def defer_kl_default() -> bool:
+    """GLM5_TRITON_DEFER_KL: 1 (default) the deferred indexer KL, 0 the forward-time one."""
+    raw = os.environ.get("GLM5_TRITON_DEFER_KL", "1")
+    v = raw.strip().lower()
+    if v not in ("0", "1", "true", "false", "yes", "no", ""):
+        raise TritonSettingError(f"GLM5_TRITON_DEFER_KL={raw!r}: must be 0 or 1 (1: the indexer KL loss computed in "
+                                 "the backward from the sparse-attention backward's head sums; 0: in the forward)")
+    return v in ("1", "true", "yes", "")
+
+
 class TritonBackend(AttentionBackend):
     """Our Triton kernels (megatron_glm5/ops/triton_*.py).
 
@@ -57,15 +73,32 @@ class TritonBackend(AttentionBackend):
     kl_head_probs: for a backend holding this one as its fallback, ``(q, kv, indices, d_v, attn_lse) -> kernel or
     None``: another kernel for the KL target's head sums (``triton_kl.head_summed_probs``'s signature) for these
     inputs, or None for the Triton one.
+
+    defer_kl (default: env GLM5_TRITON_DEFER_KL, 1): the sparse-stage indexer KL is computed in the backward
+    (``deferred_indexer_kl``, ``deferred_kl.py``) from the head sums the sparse-MLA backward's kernel 1 writes from
+    the p it recomputes anyway -- no head-sum kernel, no KL work in the forward.  0: in the forward, as
+    ``indexer_kl_loss`` (the two kernels above).
     """
 
     name = "triton"
     implemented = True
 
-    def __init__(self, deterministic: Optional[bool] = None, kl_head_probs: Optional[Callable] = None):
+    def __init__(self, deterministic: Optional[bool] = None, kl_head_probs: Optional[Callable] = None,
+                 defer_kl: Optional[bool] = None):
         self.deterministic = deterministic
         self.kl_head_probs = kl_head_probs
+        self._defer_kl = None if defer_kl is None else bool(defer_kl)
         self._has_package: Optional[bool] = None
+
+    @property
+    def defer_kl(self) -> bool:
+        """Whether the sparse-stage indexer KL is deferred to the backward (the constructor's value, else the
+        environment's GLM5_TRITON_DEFER_KL, read when asked)."""
+        return defer_kl_default() if self._defer_kl is None else self._defer_kl
+
+    @defer_kl.setter
+    def defer_kl(self, value: Optional[bool]) -> None:
+        self._defer_kl = None if value is None else bool(value)
 
     def has_package(self) -> bool:
         if self._has_package is None:
@@ -100,7 +133,15 @@ class TritonBackend(AttentionBackend):
 
         return triton_indexer.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale)
 
-    def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
+    def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None,
+                   kl_job=None):
+        """kl_job: this backend's ``deferred_indexer_kl`` for the same q, d_v and indices (its head sums come
+        from this backward)."""
+        if kl_job is not None:
+            from . import triton_sparse_mla
+
+            return triton_sparse_mla.sparse_mla(kl_job.order(q), kv, indices, softmax_scale, d_v, self.deterministic,
+                                                on_head_sums=kl_job.receive)
         why = _kernel_dims_reason(d_v=d_v, d_rope=q.shape[-1] - d_v) if indices is not None else None
         if why:
             self._fallback(why)
@@ -114,6 +155,18 @@ class TritonBackend(AttentionBackend):
         from . import triton_sparse_mla
 
         return triton_sparse_mla.sparse_mla(q, kv, indices, softmax_scale, d_v, self.deterministic)
+
+    def deferred_indexer_kl(self, q_idx, k_idx, weights, idx_softmax_scale, q, d_v, indices, head_sum_reduce=None,
+                            per_token=False, on_value=None):
+        if not self.defer_kl or indices is None or _kernel_dims_reason(
+                d_v=d_v, d_rope=q.shape[-1] - d_v, index_head_dim=q_idx.shape[-1]):
+            return None  # the forward-time KL (indexer_kl_loss): dense warm-up, reference fallbacks, defer_kl off
+        from . import triton_kl
+        from .deferred_kl import DeferredIndexerKL
+
+        kl_grads = functools.partial(triton_kl.indexer_kl_grads, idx_softmax_scale=idx_softmax_scale,
+                                     head_sum_reduce=head_sum_reduce, deterministic=self.deterministic)
+        return DeferredIndexerKL(q_idx, k_idx, weights, indices, kl_grads, per_token, on_value)
 
     def indexer_kl_loss(
         self, q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, key_start, query_end,

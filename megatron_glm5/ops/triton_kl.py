@@ -14,7 +14,9 @@ Two kernels, one program per query token each; nothing of size [T, h, K] or [T, 
   += da^T q_idx -- fp32 atomics, or (deterministic mode) per-(token, slot) rows reduced by key in a fixed order with
   the sparse-MLA backward's segmented sum.
 Same contract and formulas as ``reference.indexer_kl_loss`` (its tests compare against it); the gradients are
-computed in the forward and scaled in backward by ``reference._IndexerKLFunction``.
+computed in the forward and scaled in backward by ``reference._IndexerKLFunction``.  ``indexer_kl_grads`` is the
+second kernel alone, given the head sums: the deferred KL (``deferred_kl``, the Triton backend's default) calls it
+in the backward with the head sums of the sparse-MLA backward (``triton_sparse_mla.sparse_mla_bwd(head_sums=)``).
 """
 
 from __future__ import annotations
@@ -251,9 +253,6 @@ def indexer_kl_loss_sparse(q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn
     if idx_dim & (idx_dim - 1):
         raise ValueError(f"triton indexer KL needs a power-of-two index head dim (got {idx_dim}); use --attn torch")
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_idx, k_idx, weights))
-    det = deterministic_default() if deterministic is None else bool(deterministic)
-    counted = reference.counted_queries((indices >= 0).any(dim=-1), token_mask)
-    n_tokens = counted.sum()  # stays on the device: no host-GPU synchronisation per layer
     with torch.no_grad():
         if attn_head_probs is not None:
             if attn_head_probs.shape != indices.shape:
@@ -262,11 +261,9 @@ def indexer_kl_loss_sparse(q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn
             head_sums = attn_head_probs.float().contiguous()
         else:
             head_sums = head_probs(q.detach(), kv.detach(), indices, attn_softmax_scale, d_v, attn_lse=attn_lse)
-        if head_sum_reduce is not None:
-            head_sums = head_sum_reduce(head_sums).contiguous()
-        kl_tok, d_qi, d_ki, d_w = _indexer_kl(q_idx, k_idx, weights, idx_softmax_scale, indices, head_sums, counted,
-                                              need_grad, det, config)
-        kl_sum = kl_tok.sum()
+        kl_sum, n_tokens, d_qi, d_ki, d_w = indexer_kl_grads(
+            q_idx, k_idx, weights, indices, head_sums, idx_softmax_scale, token_mask=token_mask,
+            head_sum_reduce=head_sum_reduce, deterministic=deterministic, config=config, need_grad=need_grad)
     if need_grad:
         kl_sum = reference._IndexerKLFunction.apply(
             q_idx, k_idx, weights, kl_sum,
@@ -275,3 +272,20 @@ def indexer_kl_loss_sparse(q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn
             d_w.to(weights.dtype) if weights.requires_grad else None,
         )
     return kl_sum, n_tokens
+
+
+def indexer_kl_grads(q_idx, k_idx, weights, indices, head_sums, idx_softmax_scale, token_mask=None,
+                     head_sum_reduce=None, deterministic=None, config=None, need_grad=True):
+    """The sparse KL from the target's head sums (this rank's heads, [T, topk] fp32; head_sum_reduce, the TP
+    all-reduce, applied here): (kl_sum, n_tokens, d_q_idx, d_k_idx, d_weights) -- fp32 values and gradients of
+    kl_sum (None without need_grad), n_tokens the counted queries as a 0-dim device tensor (no host-GPU
+    synchronisation).  No autograd: ``indexer_kl_loss_sparse`` and the deferred KL (``deferred_kl``) scale them."""
+    det = deterministic_default() if deterministic is None else bool(deterministic)
+    counted = reference.counted_queries((indices >= 0).any(dim=-1), token_mask)
+    with torch.no_grad():
+        head_sums = head_sums.float().contiguous()
+        if head_sum_reduce is not None:
+            head_sums = head_sum_reduce(head_sums).contiguous()
+        kl_tok, d_qi, d_ki, d_w = _indexer_kl(q_idx, k_idx, weights, idx_softmax_scale, indices, head_sums, counted,
+                                              need_grad, det, config)
+    return kl_tok.sum(), counted.sum(), d_qi, d_ki, d_w

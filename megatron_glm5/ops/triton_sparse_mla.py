@@ -40,7 +40,13 @@ normalised probabilities over heads -- the KL then skips its own kernel (``index
 ``attn_head_probs``).  Measured on the H200 (docs/performance.md, issue 16) the second pass costs more than the
 separate kernel it replaces (S 4096: forward 4.62 -> 8.60 ms against 3.64 ms for the separate head sums; S 32768:
 35.4 -> 67.9 against 26.8): it saves only a query load and a launch, the keys are gathered and multiplied again
-either way.  Training therefore keeps the separate kernel; the option stays for the benchmark and a later kernel.
+either way.  The option stays for the benchmark; training takes the head sums from the backward instead.
+
+With ``head_sums`` the backward's kernel 1 writes the same head sums from the p it recomputes for dq anyway (one
+sum over heads per block of keys; per head group and then summed in order with H_SPLIT > 1): the KL target of the
+deferred indexer KL (``deferred_kl``), H200 S 4096 10.7 vs 9.95 ms for the backward against 3.58 ms for the
+separate kernel.  Delta = rowsum(dO * O) - d_lse is a small kernel (``_delta_bwd_kernel``: fp32 products of the
+16-bit inputs, no fp32 copies; 0.15 vs 1.30 ms for the torch expression at S 4096).
 
 Dense mode (indices None) is not a Triton kernel: the backend falls back to the reference for it.
 """
@@ -49,7 +55,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import triton
@@ -252,15 +258,18 @@ def sparse_mla_fwd(q, kv, indices, softmax_scale: float, d_v: int, config: Optio
 
 @triton.jit
 def _bwd_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, BUF, PDS, ENDS,
+    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, BUF, PDS, ENDS, HS,
     stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt,
-    t0, n_heads, n_keys, topk, scale, dense_cols, p_off,
+    t0, n_heads, n_keys, topk, scale, dense_cols, p_off, hs_group_stride,
     DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, H_SPLIT: tl.constexpr,
     ATOMIC: tl.constexpr, IEEE: tl.constexpr, DK_MODE: tl.constexpr, HP: tl.constexpr, SKIP_PAD: tl.constexpr,
+    HEAD_SUMS: tl.constexpr,
 ):
     """DK_MODE 0: the dk products per head group here, into dkv (ATOMIC) or BUF rows; 1 ("slots"): p and ds to the
     [query, slot, (ds | p), HP] buffer PDS for _dkv_kernel; 2 ("dense"): p and ds scattered into the zeroed
-    [key, query, head] matrices PDS and PDS + p_off (row length dense_cols = queries x heads) for two GEMMs."""
+    [key, query, head] matrices PDS and PDS + p_off (row length dense_cols = queries x heads) for two GEMMs.
+    HEAD_SUMS: also the indexer KL target, sum over this program's heads of the normalised p per (query, slot),
+    fp32, to HS[head group, query, slot] (group stride hs_group_stride); every slot is written (0: unused)."""
     tl_ = tl.program_id(0).to(tl.int64)  # row inside this launch's query range
     hg = tl.program_id(1)  # head group: heads are independent, each group adds its own dkv partial sum
     t = t0 + tl_
@@ -288,6 +297,8 @@ def _bwd_kernel(
         dp = _mma(do, tl.trans(k_lat), tl.zeros([BLOCK_H, BLOCK_N], tl.float32), IEEE)
         p = tl.exp2(s * (scale * 1.4426950408889634) - lse[:, None])
         p = tl.where(ok[None, :], p, 0.0)
+        if HEAD_SUMS:
+            tl.store(HS + hg * hs_group_stride + t * topk + slot, tl.sum(p, axis=0), mask=slot < topk)
         ds = p * (dp - delta[:, None]) * scale
         ds_c = ds.to(k_lat.dtype)
         p_c = p.to(k_lat.dtype)
@@ -319,6 +330,11 @@ def _bwd_kernel(
                 tl.store(brow[:, None] + offs_v[None, :], dk_lat, mask=s_ok[:, None])
                 tl.store(brow[:, None] + DV + offs_r[None, :], dk_rope, mask=s_ok[:, None])
 
+    if HEAD_SUMS:
+        # the slots after the last used block (SKIP_PAD) were not visited: their head sums are 0
+        for n0 in range(tl.cdiv(n_end, BLOCK_N) * BLOCK_N, topk, BLOCK_N):
+            slot = n0 + offs_n
+            tl.store(HS + hg * hs_group_stride + t * topk + slot, tl.zeros([BLOCK_N], tl.float32), mask=slot < topk)
     dq_base = DQ + t * stride_qt + offs_h[:, None] * stride_qh
     tl.store(dq_base + offs_v[None, :], dq_lat.to(DQ.dtype.element_ty), mask=h_ok[:, None])
     tl.store(dq_base + DV + offs_r[None, :], dq_rope.to(DQ.dtype.element_ty), mask=h_ok[:, None])
@@ -409,6 +425,35 @@ def _segment_sum_kernel(BUF, PERM, SEG_START, SEG_LEN, SEG_KEY, DKV, n_keys, D,
         tl.store(ptr, tl.load(ptr, mask=d_ok, other=0.0) + acc, mask=d_ok)
 
 
+@triton.jit
+def _delta_bwd_kernel(O, DO, DLSE, DELTA, n_rows, DV: tl.constexpr, BLOCK_R: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """Delta[r] = sum_c O[r, c] dO[r, c] (- d_lse[r]) for BLOCK_R rows r = (query, head) of contiguous [rows, DV]
+    O / dO in their own dtype, fp32 products and sum (no fp32 copies of O and dO)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < n_rows
+    offs = r[:, None] * DV + tl.arange(0, DV)[None, :]
+    o = tl.load(O + offs, mask=r_ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + offs, mask=r_ok[:, None], other=0.0).to(tl.float32)
+    d = tl.sum(o * do, axis=1)
+    if HAS_DLSE:
+        d -= tl.load(DLSE + r, mask=r_ok, other=0.0).to(tl.float32)
+    tl.store(DELTA + r, d, mask=r_ok)
+
+
+def _delta(out: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor]) -> torch.Tensor:
+    """fp32 [T, h]: rowsum(dO * O) - d_lse, the softmax backward's per-row term (one small kernel)."""
+    n_q, h, d_v = out.shape
+    out = out.contiguous()
+    delta = torch.empty(n_q, h, dtype=torch.float32, device=out.device)
+    if n_q * h == 0:
+        return delta
+    dl = d_lse.contiguous() if d_lse is not None else delta  # an unused pointer without d_lse
+    block_r = max(1, min(16, 4096 // d_v))  # 8 rows of 512: 64 fp32 registers per thread and operand
+    _delta_bwd_kernel[(triton.cdiv(n_q * h, block_r),)](out, d_out, dl, delta, n_q * h, DV=d_v, BLOCK_R=block_r,
+                                                     HAS_DLSE=d_lse is not None, num_warps=4)
+    return delta
+
+
 def _segment_reduce_into(dkv: torch.Tensor, buf: torch.Tensor, idx_chunk: torch.Tensor, h_split: int) -> None:
     """buf rows are ordered (query, head group, slot); idx_chunk [n, K] gives each row's key."""
     n_keys, d = dkv.shape
@@ -487,9 +532,11 @@ def _dk_mode(cfg: dict, indices: torch.Tensor, n_keys: int, ends: Optional[torch
 
 def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float, d_v: int,
                    deterministic: Optional[bool] = None, config: Optional[dict] = None,
-                   dq: Optional[torch.Tensor] = None):
+                   dq: Optional[torch.Tensor] = None, head_sums: Optional[torch.Tensor] = None):
     """(dq like q, dkv like kv).  d_lse may be None; dq may be given (contiguous, written in full).
-    config: BWD_CONFIG's keys (DK: "in_kernel", "slots", "dense" or "auto"; see there)."""
+    config: BWD_CONFIG's keys (DK: "in_kernel", "slots", "dense" or "auto"; see there).
+    head_sums: a contiguous fp32 [T, topk] tensor that kernel 1 fills, in full, with the indexer KL target's head
+    sums (``triton_kl.head_summed_probs``'s result for the forward's lse), from the p it recomputes anyway."""
     d_rope = _check(q, kv, indices, d_v)
     cfg = dict(BWD_CONFIG, **(config or {}))
     det = deterministic_default() if deterministic is None else bool(deterministic)
@@ -497,14 +544,16 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
     d_out = d_out.contiguous()
     n_q, h, d = q.shape
     n_keys, topk = kv.shape[0], indices.shape[1]
-    delta = (d_out.float() * out.float()).sum(-1)
-    if d_lse is not None:
-        delta = delta - d_lse.float()
-    delta = delta.contiguous()
+    if head_sums is not None and (head_sums.shape != indices.shape or head_sums.dtype != torch.float32
+                                  or not head_sums.is_contiguous()):
+        raise ValueError(f"head_sums must be a contiguous fp32 [T, topk] = {tuple(indices.shape)} tensor")
+    delta = _delta(out, d_out, d_lse)
     lse = lse.contiguous()
     dq = torch.empty_like(q) if dq is None else dq
     dkv = torch.zeros(n_keys, d, dtype=torch.float32, device=q.device)
     if n_q == 0 or topk == 0:
+        if head_sums is not None:
+            head_sums.zero_()
         return dq.zero_(), dkv.to(kv.dtype)
     hp = _block_h(h)
     elt = q.element_size()
@@ -543,6 +592,9 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         else:
             pds = dkv
         ends_arg = ends if skip else delta  # an unused pointer without SKIP_PAD
+        # head sums: written straight into head_sums with one head group, else per group (summed below)
+        hs = delta if head_sums is None else head_sums if h_split == 1 else torch.empty(
+            h_split, n_q, topk, dtype=torch.float32, device=q.device)
         try:
             for i, t0 in enumerate(starts):
                 n = min(rows, n_q - t0)
@@ -551,12 +603,12 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
                     pds[:kc * n * h].zero_()
                     pds[p_off:p_off + kc * n * h].zero_()
                 _bwd_kernel[(n, h_split)](
-                    q, kv, indices, d_out, lse, delta, dq, dkv, buf, pds, ends_arg,
+                    q, kv, indices, d_out, lse, delta, dq, dkv, buf, pds, ends_arg, hs,
                     q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), d_out.stride(0), d_out.stride(1),
-                    lse.stride(0), t0, h, n_keys, topk, float(softmax_scale), n * h, p_off,
+                    lse.stride(0), t0, h, n_keys, topk, float(softmax_scale), n * h, p_off, n_q * topk,
                     DV=d_v, DR=d_rope, BLOCK_H=hp // h_split, BLOCK_N=cfg["BLOCK_N"], H_SPLIT=h_split,
                     ATOMIC=not det, IEEE=q.dtype == torch.float32, DK_MODE=_DK_MODES[mode], HP=hp, SKIP_PAD=skip,
-                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                    HEAD_SUMS=head_sums is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                 )
                 if mode == "slots":
                     block_s = min(int(cfg["DK_BLOCK_S"]), max(16, triton.next_power_of_2(topk)))
@@ -572,6 +624,8 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
                     _dense_dkv(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v)
                 if det_rows:
                     _segment_reduce_into(dkv, buf, indices[t0:t0 + n], 1 if mode == "slots" else h_split)
+            if head_sums is not None and h_split > 1:
+                torch.sum(hs, 0, out=head_sums)  # the groups in a fixed order
             return dq, dkv.to(kv.dtype)
         except OutOfResources:
             if not configs:
@@ -584,10 +638,21 @@ _DK_MODES = {"in_kernel": 0, "slots": 1, "dense": 2}
 
 
 def sparse_mla(q, kv, indices, softmax_scale: float, d_v: int,
-               deterministic: Optional[bool] = None, head_probs: Optional[torch.Tensor] = None
-               ) -> Tuple[torch.Tensor, torch.Tensor]:
+               deterministic: Optional[bool] = None, head_probs: Optional[torch.Tensor] = None,
+               on_head_sums: Optional[Callable[[torch.Tensor], None]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with autograd (dq, dkv): the Triton forward and backward through the backends' one autograd
     Function (``base.SparseMLAFunction``); see the module docstring.  head_probs: as ``sparse_mla_fwd``'s (filled
-    by the forward, outside autograd)."""
+    by the forward, outside autograd).  on_head_sums: called by the backward with the indexer KL target's head sums
+    ([T, topk] fp32, ``sparse_mla_bwd``'s head_sums) once it has computed them (the deferred KL,
+    ``triton_deferred_kl``)."""
     fwd = sparse_mla_fwd if head_probs is None else functools.partial(sparse_mla_fwd, head_probs=head_probs)
-    return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic, fwd, sparse_mla_bwd)
+    bwd = sparse_mla_bwd if on_head_sums is None else functools.partial(_bwd_with_head_sums, on_head_sums)
+    return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic, fwd, bwd)
+
+
+def _bwd_with_head_sums(on_head_sums, q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v, deterministic):
+    head_sums = torch.empty(indices.shape, dtype=torch.float32, device=q.device)
+    grads = sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v, deterministic,
+                           head_sums=head_sums)
+    on_head_sums(head_sums)
+    return grads
