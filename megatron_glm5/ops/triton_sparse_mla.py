@@ -503,14 +503,14 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-def _chunk_key_ends(indices: torch.Tensor, rows: int, n_keys: int) -> list:
-    """Per chunk of ``rows`` queries: one past the largest key it selects (0: none), with one host sync."""
+def _chunk_key_ends(indices: torch.Tensor, rows: int, n_keys: int) -> torch.Tensor:
+    """Per chunk of ``rows`` queries: one past the largest key it selects (0: none), int64 on the device."""
     n_q = indices.shape[0]
     full = n_q // rows * rows
     m = [indices[:full].reshape(n_q // rows, -1).amax(1)] if full else []
     if full < n_q:
         m.append(indices[full:].amax().reshape(1))
-    return torch.cat(m).clamp(-1, n_keys - 1).add(1).tolist()
+    return torch.cat(m).clamp(-1, n_keys - 1).add(1).long()
 
 
 def _dk_mode(cfg: dict, indices: torch.Tensor, n_keys: int, ends: Optional[torch.Tensor], dense_rows: int,
@@ -522,10 +522,14 @@ def _dk_mode(cfg: dict, indices: torch.Tensor, n_keys: int, ends: Optional[torch
     if mode not in ("auto", "dense"):
         return mode, None
     key_ends = _chunk_key_ends(indices, dense_rows, n_keys)
+    used = float(indices.numel())
+    if mode == "auto" and ends is not None:  # the key ends and the used slots in one host sync
+        *key_ends, used = torch.cat([key_ends, ends.sum().reshape(1).long()]).tolist()
+    else:
+        key_ends = key_ends.tolist()
     if mode == "auto":
         n_q = indices.shape[0]
         pairs = sum(kc * min(dense_rows, n_q - i * dense_rows) for i, kc in enumerate(key_ends))
-        used = float(ends.sum()) if ends is not None else float(indices.numel())
         mode = "dense" if pairs <= DENSE_COST_RATIO["deterministic" if det else "atomic"] * used else "slots"
     return mode, key_ends
 
