@@ -16,7 +16,7 @@ from test_ops_triton import D_ROPE, D_V, random_indices
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton)")
-# causal queries 0..13 over keys 0..13 with query 0 keyless; 20 heads pad to 32 rows (two groups of 16 in
+# 14 queries, query t sees keys 0..t-1 (query 0 none); 20 heads pad to 32 rows (two groups of 16 in
 # "two_groups"); top-k 12: the early rows are short (-1 padded), the last ones select
 N_Q, HEADS, TOPK = 14, 20, 12
 # one step of the tiny model: the forward-time KL, the deferred KL, and the deferred KL under full recompute (the
