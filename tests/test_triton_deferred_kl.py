@@ -91,14 +91,16 @@ def test_deferred_kl_step_equals_forward_time_kl(interp):
 
 
 def test_defer_kl_setting(monkeypatch):
-    """GLM5_TRITON_DEFER_KL, read when asked: 1 / unset deferred, 0 forward-time, the constructor's value wins; a
+    """GLM5_TRITON_DEFER_KL, read when asked: 1 deferred, 0 / unset forward-time, the constructor's value wins; a
     bad value is one line naming the variable and its two values (docs/bad_input.md)."""
     from megatron_glm5.errors import UserError
     from megatron_glm5.ops.triton_backend import TritonBackend
 
     b, fixed = TritonBackend(), TritonBackend(defer_kl=False)
     monkeypatch.delenv("GLM5_TRITON_DEFER_KL", raising=False)
-    assert b.defer_kl is True and fixed.defer_kl is False
+    assert b.defer_kl is False and fixed.defer_kl is False
+    monkeypatch.setenv("GLM5_TRITON_DEFER_KL", "1")
+    assert b.defer_kl is True and TritonBackend(defer_kl=True).defer_kl is True
     monkeypatch.setenv("GLM5_TRITON_DEFER_KL", "0")
     assert b.defer_kl is False
     assert b.deferred_indexer_kl(None, None, None, 1.0, None, 16, torch.zeros(1, 1)) is None  # off: forward-time

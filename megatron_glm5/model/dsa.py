@@ -141,21 +141,33 @@ class GLM5SparseAttention(MegatronModule):
                     "which did not run before it in this forward")
             indices = inputs.topk_store[self.source_key]
 
+        # the Triton backend computes the sparse KL in the backward, from its sparse-MLA backward's head sums
+        # (ops/deferred_kl.py): kl_job.token stands for the loss below and is attached the same way
+        kl_job = None if not with_loss else self.backend.deferred_indexer_kl(
+            q_idx, k_idx, w_idx, self.indexer.softmax_scale, q, cfg.kv_lora_rank, indices,
+            head_sum_reduce=self._head_sum_reduce(), per_token=cfg.calculate_per_token_loss,
+            on_value=self._record_indexer_loss)
         out, lse = self.backend.sparse_mla(q, kv, indices, self.softmax_scale, cfg.kv_lora_rank,
                                             key_start=inputs.key_start, query_end=inputs.query_end,
-                                            chunk_size=cfg.dsa_chunk_size)
-        if with_loss:
+                                            chunk_size=cfg.dsa_chunk_size, **({"kl_job": kl_job} if kl_job else {}))
+        if kl_job is not None:
+            out = MoEAuxLossAutoScaler.apply(out, cfg.dsa_indexer_loss_coeff * kl_job.token)
+        elif with_loss:
             kl_sum, n_tokens = self.backend.indexer_kl_loss(
                 q_idx, k_idx, w_idx, self.indexer.softmax_scale, q.detach(), kv.detach(), self.softmax_scale,
                 inputs.key_start, inputs.query_end, indices=indices, head_sum_reduce=self._head_sum_reduce(),
                 chunk_size=cfg.dsa_chunk_size, attn_lse=None if indices is None else lse.detach())
             # n_tokens: an int, or a device tensor (the Triton backend avoids a host-GPU synchronisation)
             kl = kl_sum / (n_tokens.clamp_min(1) if torch.is_tensor(n_tokens) else max(n_tokens, 1))
-            self.last_indexer_loss = kl.detach()
-            self.kl_log[0] = self.kl_log[0] + self.last_indexer_loss  # stays on device: no sync per forward
-            self.kl_log[1] += 1
+            self._record_indexer_loss(kl)
             # With per-token loss the trainer divides every gradient by the step's token count (as for the LM
             # loss, a sum over tokens): hand it the sum here, the mean otherwise.
             aux = kl_sum if cfg.calculate_per_token_loss else kl
             out = MoEAuxLossAutoScaler.apply(out, cfg.dsa_indexer_loss_coeff * aux)
         return out
+
+    def _record_indexer_loss(self, kl: torch.Tensor) -> None:
+        """The mean KL per token of a training forward (the deferred KL: of its backward), for the trainer's log."""
+        self.last_indexer_loss = kl.detach()
+        self.kl_log[0] = self.kl_log[0] + self.last_indexer_loss  # stays on device: no sync per forward
+        self.kl_log[1] += 1
