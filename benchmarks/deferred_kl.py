@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cuda_timing import median_ms  # noqa: E402 (benchmarks/, the script's folder)
 
 H, DQK, DV, TOPK, HI, DI = 64, 576, 512, 2048, 32, 128
 
@@ -35,17 +35,7 @@ def causal_indices(s: int, topk: int, gen) -> torch.Tensor:
 
 
 def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(fn, reps)
 
 
 def run(s: int, reps: int) -> dict:

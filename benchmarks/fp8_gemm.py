@@ -23,11 +23,12 @@ import datetime
 import importlib.util
 import json
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+
+import cuda_timing  # benchmarks/, the script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,18 +86,11 @@ def offsets_for(tokens):
 
 
 def median_ms(fn, sets, reps, warmup=3):
-    for i in range(warmup):
-        fn(*sets[i % len(sets)])
-    times = []
-    for i in range(reps):
-        args = sets[i % len(sets)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """fn over the input sets in turn (a fresh set each run), timed by cuda_timing.median_ms."""
+    turn = iter(range(1 << 62))
+    current = []
+    return cuda_timing.median_ms(lambda: fn(*current[-1]), reps, warmup,
+                                 refill=lambda: current.append(sets[next(turn) % len(sets)]))
 
 
 def rel_l2(a, b):

@@ -33,25 +33,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import median_ms  # noqa: E402
 
 H, DQK, DV, TOPK, HI, DI = 64, 576, 512, 2048, 32, 128
 
 
 def timed(fn, refill, warmup, reps):
-    for _ in range(warmup):
-        refill()
-        fn()
-    times = []
-    for _ in range(reps):
-        refill()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(fn, reps, warmup, refill)
 
 
 def bench_kl_target(seq, warmup, reps):

@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
 import time
 
 import torch
+
+from cuda_timing import median_ms  # benchmarks/, the script's folder
 
 H, DQK, DV, TOPK, HI, DI = 64, 576, 512, 2048, 32, 128
 # the ceiling the TFLOP/s rows are compared with: a bf16 8192^3 torch.matmul measured on the H200
@@ -67,19 +68,7 @@ KL_SWEEP = [
 
 def timed(fn, refill, reps):
     """Median milliseconds of fn() over reps runs (CUDA events), refill() before each, 3 warm-ups."""
-    for _ in range(3):
-        refill()
-        fn()
-    times = []
-    for _ in range(reps):
-        refill()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return median_ms(fn, reps, 3, refill)
 
 
 class Problem:

@@ -5,17 +5,14 @@ kernel (``triton_kl.indexer_kl_loss_sparse(attn_head_probs=)``) -- under Triton'
 subprocess.  (Not used in training: measured slower than the separate kernel on the H200, docs/performance.md.)"""
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from test_ops_reference import LAYOUTS
+from interp_harness import run_interpreted, softmax_head_sums
 from test_ops_triton import D_ROPE, D_V, random_indices
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton)")
 # (layout, heads, top-k, forward key block, TP head-sum hook): 20 heads pad to 32 rows; block 8 < top-k 12 leaves a
@@ -35,24 +32,9 @@ def interp(tmp_path_factory):
             indices=random_indices(ks, qe, topk, g), scale=0.3, d_v=D_V, block_n=block_n, hook=hook,
             q_idx=torch.randn(n_q, 4, 8, generator=g), k_idx=torch.randn(n_k, 8, generator=g),
             weights=torch.rand(n_q, 4, generator=g), idx_scale=0.5, token_mask=torch.rand(n_q, generator=g) > 0.2)
-    d = tmp_path_factory.mktemp("fused_kl")
-    torch.save(cases, d / "cases.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "fused_kl_interp_runner.py"), str(d / "cases.pt"),
-                           str(d / "results.pt")], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return cases, torch.load(d / "results.pt")
+    return cases, run_interpreted(tmp_path_factory, "fused_kl", "fused_kl_interp_runner.py", cases)
 
 
-def _softmax_head_sums(c):
-    """sum_h softmax_j(scale * q[t, h] . kv[idx[t, j]]) over the valid selected keys, fp64, 0 elsewhere."""
-    q, kv, idx = c["q"].double(), c["kv"].double(), c["indices"].long()
-    ok = idx >= 0
-    keys = kv[idx.clamp_min(0)]  # [T, K, D]
-    s = torch.einsum("thd,tkd->thk", q, keys) * c["scale"]
-    s = s.masked_fill(~ok[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # rows without keys: 0
-    return p.sum(1)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
@@ -60,7 +42,7 @@ def test_forward_head_sums_equal_separate_kernel_and_softmax(interp, name):
     cases, res = interp
     c, r = cases[name], res[name]
     assert not torch.isnan(r["fused"]).any()  # the NaN-poisoned buffer is written in full
-    torch.testing.assert_close(r["fused"].double(), _softmax_head_sums(c), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(r["fused"].double(), softmax_head_sums(c), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(r["fused"], r["separate_lse"], rtol=1e-6, atol=1e-6)
     assert torch.equal(r["out0"], r["out1"]) and torch.equal(r["lse0"], r["lse1"])  # out / lse unchanged
 

@@ -11,18 +11,15 @@ GPU (@pytest.mark.gpu): GLM-5 sizes (4096 tokens, hidden 6144, 256 experts, top-
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from moe_permute_interp_runner import pipeline
+from interp_harness import run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
-HERE = os.path.dirname(os.path.abspath(__file__))
 DISPATCHERS = ("alltoall", "allgather")
 BF16_RTOL = 1e-2
 
@@ -70,14 +67,9 @@ def build_cases():
 def interp(tmp_path_factory):
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    d = tmp_path_factory.mktemp("moe_permute")
     cases = build_cases()
-    torch.save(dict(kernels=cases, dispatchers=DISPATCHERS), d / "cases.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "moe_permute_interp_runner.py"), str(d / "cases.pt"),
-                           str(d / "results.pt")], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return cases, torch.load(d / "results.pt")
+    return cases, run_interpreted(tmp_path_factory, "moe_permute", "moe_permute_interp_runner.py",
+                                  dict(kernels=cases, dispatchers=DISPATCHERS), timeout=600)
 
 
 def _rel(a, b):

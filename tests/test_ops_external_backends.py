@@ -13,7 +13,6 @@ GPU (@pytest.mark.gpu): the real libraries, when importable, at GLM-5 shapes aga
 import importlib.util
 import logging
 import os
-import subprocess
 import sys
 import types
 
@@ -31,6 +30,7 @@ from megatron_glm5.ops.flashmla_backend import FlashMLABackend  # noqa: E402
 from megatron_glm5.ops.flashmla_sparse_mla import FLASHMLA_INSTALL  # noqa: E402
 from megatron_glm5.ops.triton_backend import TritonBackend  # noqa: E402
 from test_ops_reference import LAYOUTS, int_inputs  # noqa: E402
+from interp_harness import run_interpreted  # noqa: E402
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 F64 = torch.float64
@@ -314,14 +314,8 @@ CHILD_CASES = [("flashmla", "packed", True), ("flashmla", "empty_rows", False), 
 def child_results(tmp_path_factory):
     if not HAS_TRITON:
         pytest.skip("triton is not installed (pip install triton)")
-    d = tmp_path_factory.mktemp("external_backends")
     cases = {(b, layout, lse): mla_case(layout, topk=12, seed=7) for b, layout, lse in CHILD_CASES}
-    torch.save(cases, d / "cases.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(d / "cases.pt"), str(d / "results.pt")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return cases, torch.load(d / "results.pt")
+    return cases, run_interpreted(tmp_path_factory, "external_backends", os.path.abspath(__file__), cases)
 
 
 @pytest.mark.parametrize("backend,layout,with_lse_grad", CHILD_CASES)

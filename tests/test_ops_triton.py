@@ -7,7 +7,6 @@ GPU part (@pytest.mark.gpu): real GLM-5 shapes in bf16 against the fp32 referenc
 """
 
 import importlib.util
-import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -17,10 +16,10 @@ import torch
 
 from megatron_glm5.ops import reference
 from test_ops_reference import LAYOUTS, batch_layout, int_inputs, packed_layout
+from interp_harness import run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
-HERE = os.path.dirname(os.path.abspath(__file__))
 F64 = torch.float64
 
 
@@ -94,14 +93,8 @@ def build_cases():
 def interp(tmp_path_factory):
     if not HAS_TRITON:
         pytest.skip("triton is not installed (pip install triton)")
-    d = tmp_path_factory.mktemp("triton_interp")
     cases = build_cases()
-    torch.save(cases, d / "cases.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "triton_interp_runner.py"), str(d / "cases.pt"),
-                           str(d / "results.pt")], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return cases, torch.load(d / "results.pt")
+    return cases, run_interpreted(tmp_path_factory, "triton_interp", "triton_interp_runner.py", cases)
 
 
 @needs_triton

@@ -4,16 +4,13 @@ writing them, and a training step with the KL computed in the backward gives the
 gradients of every parameter as the forward-time KL -- under Triton's interpreter (CPU), in one subprocess."""
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from test_ops_triton import D_ROPE, D_V, random_indices
+from interp_harness import run_interpreted, softmax_head_sums
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="triton is not installed (pip install triton)")
 # 14 queries, query t sees keys 0..t-1 (query 0 none); 20 heads pad to 32 rows (two groups of 16 in
@@ -36,28 +33,15 @@ def interp(tmp_path_factory):
                              scale=0.3, d_v=D_V, d_out=torch.randn(N_Q, HEADS, D_V, generator=g),
                              d_lse=torch.randn(N_Q, HEADS, generator=g)),
                  model=dict(kind="model", runs=MODEL_RUNS, ids=torch.randint(0, 512, (1, SEQ + 1), generator=g)))
-    d = tmp_path_factory.mktemp("deferred_kl")
-    torch.save(cases, d / "cases.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "deferred_kl_interp_runner.py"), str(d / "cases.pt"),
-                           str(d / "results.pt")], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return cases, torch.load(d / "results.pt")
+    return cases, run_interpreted(tmp_path_factory, "deferred_kl", "deferred_kl_interp_runner.py", cases)
 
 
-def _softmax_head_sums(c):
-    """sum_h softmax_j(scale * q[t, h] . kv[idx[t, j]]) over the valid selected keys, fp64, 0 elsewhere."""
-    q, kv, idx = c["q"].double(), c["kv"].double(), c["indices"].long()
-    ok = idx >= 0
-    s = torch.einsum("thd,tkd->thk", q, kv[idx.clamp_min(0)]) * c["scale"]
-    p = torch.softmax(s.masked_fill(~ok[:, None, :], float("-inf")), dim=-1).nan_to_num(0.0)
-    return p.sum(1)
 
 
 def test_backward_head_sums_equal_softmax_and_separate_kernel(interp):
     cases, res = interp
     c, r = cases["kernel"], res["kernel"]
-    want = _softmax_head_sums(c)
+    want = softmax_head_sums(c)
     assert (want[0] == 0).all() and (want[1:].sum(-1) - HEADS).abs().max() < 1e-9  # each head's softmax sums to 1
     assert (c["indices"][:, -4:] < 0).all(-1).sum() >= 4  # rows whose last 4-key block is padding (skipped)
     variants = [k for k in r if k != "separate"]

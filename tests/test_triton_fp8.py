@@ -8,16 +8,14 @@ GPU part (@pytest.mark.gpu): GLM-5 shapes on the GPU against an fp64 reference, 
 """
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from interp_harness import run_interpreted
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
-HERE = os.path.dirname(os.path.abspath(__file__))
 F64 = torch.float64
 E4M3 = torch.float8_e4m3fn
 LARGE = dict(BM=128, BO=128, BR=64, num_warps=8, num_stages=2)  # the many-rows configuration, forced
@@ -142,14 +140,8 @@ def build_cases():
 def interp(tmp_path_factory):
     if not HAS_TRITON:
         pytest.skip("triton is not installed (pip install triton)")
-    d = tmp_path_factory.mktemp("triton_fp8_interp")
     cases = build_cases()
-    torch.save(cases, d / "cases.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "triton_fp8_interp_runner.py"), str(d / "cases.pt"),
-                           str(d / "results.pt")], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return cases, torch.load(d / "results.pt")
+    return cases, run_interpreted(tmp_path_factory, "triton_fp8_interp", "triton_fp8_interp_runner.py", cases)
 
 
 def effective_config(c, design):
