@@ -127,3 +127,15 @@ def test_planner_lora_terms_hand_computed_bytes():
     assert s.grad_bytes == 168_296_448  # 42074112 adapter elements x 4
     assert s.optimizer_main_bytes + s.optimizer_moment_bytes == 504_889_344  # x 12
     assert s.optimizer_expert_elements == 41_943_040
+    # the indexer stays in the parameter dtype on an FP8 base (model/dsa.py: plain bf16 linears), and with
+    # --train-indexer it is trained: gradients and optimizer state, its weight counted once
+    wq_b = Tensor("decoder.layers.0.self_attention.core_attention.indexer.linear_wq_b.weight", 2048 * 4096, "dense")
+    frozen = lora_static_memory(cfg, [wq_b], lora, tp=1, ep=1, dtype_bytes=2, grad_bytes=4, fp8=True,
+                                dense_shards=1, expert_shards=1, distributed_optimizer=True)
+    assert frozen.weight_bytes == 16_777_216 and frozen.grad_bytes == 0  # 8388608 x 2 bytes, no FP8
+    trained = lora_static_memory(cfg, [wq_b], LoRAConfig(rank=16, alpha=32.0, dropout=0.0, targets=("q_a",),
+                                                         train_indexer=True),
+                                 tp=1, ep=1, dtype_bytes=2, grad_bytes=4, fp8=True, dense_shards=1, expert_shards=1,
+                                 distributed_optimizer=True)
+    assert trained.weight_bytes == 16_777_216 and trained.grad_bytes == 33_554_432  # x 4
+    assert trained.optimizer_main_bytes + trained.optimizer_moment_bytes == 100_663_296  # x 12

@@ -3,8 +3,9 @@
 A frozen base has weights only: no gradient buffer (megatron-core's DDP builds buffers for parameters that require
 grad), no fp32 main copy, no Adam moments. Its large matrices in FP8 take 1 byte per element plus one fp32 scale per
 128 x 128 block (4 / 16384 bytes per element where the dims divide 128; a partial block, e.g. kv_a's 576 rows,
-costs a little more and is not counted); the rest (embedding, output layer, norms, router, indexer's weights_proj,
-MTP's eh_proj) keeps the parameter dtype. The adapters are trained parameters: their weights (parameter dtype), fp32
+costs a little more and is not counted); the rest (embedding, output layer, norms, router, the indexer -- our model
+keeps its wq_b / wk in the parameter dtype even on an FP8 base, docs/fp8.md --, MTP's eh_proj) keeps the parameter
+dtype. The adapters are trained parameters: their weights (parameter dtype), fp32
 gradients and the optimizer's state (Adam: 8 bytes of moments, plus a 4-byte fp32 main copy with bf16 parameters),
 sharded by the distributed optimizer over dp x cp (dense) or the expert data-parallel group (experts' adapters);
 --train-indexer adds the indexers as trained parameters. Padding of the gradient buffers is not modelled (the
@@ -21,7 +22,7 @@ FP8_SCALE_BYTES_PER_ELEMENT = 4 / (128 * 128)
 # the base's weights a frozen FP8 base keeps in FP8 (as the GLM-5-FP8 release does)
 FP8_SUFFIXES = ("linear_q_down_proj.weight", "linear_q_up_proj.weight", "linear_kv_down_proj.weight",
                 "linear_kv_up_proj.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight",
-                "experts.weight1", "experts.weight2", "indexer.linear_wq_b.weight", "indexer.linear_wk.weight")
+                "experts.weight1", "experts.weight2")
 INDEXER_PART = "core_attention.indexer."
 
 
@@ -68,23 +69,24 @@ def base_weight_bytes(tensors: Sequence, dtype_bytes: int, fp8: bool) -> int:
 def lora_static_memory(cfg, tensors: Sequence, lora, *, tp: int, ep: int, dtype_bytes: int, grad_bytes: int,
                        fp8: bool, dense_shards: int, expert_shards: int, distributed_optimizer: bool) -> StaticMemory:
     """Weights, gradients and optimizer state of one rank of a LoRA run holding the base ``tensors``."""
-    dense_train = expert_train = 0
+    dense_train = expert_train = adapters = 0
     for t in tensors:
         n = adapter_elements(cfg, t.name, lora.targets, lora.rank, tp, ep)
+        adapters += n
         if t.expert:
             expert_train += n
         else:
             dense_train += n
         if lora.train_indexer and INDEXER_PART in t.name:
-            dense_train += t.numel
+            dense_train += t.numel  # a base tensor: its weight is in base_weight_bytes already
     trained = dense_train + expert_train
     own_dense = dense_train // dense_shards if distributed_optimizer else dense_train
     own_expert = expert_train // expert_shards if distributed_optimizer else expert_train
     main = MAIN_PARAM_BYTES if dtype_bytes == 2 else 0
     params = {k: sum(t.numel for t in tensors if t.kind == k) for k in KINDS}  # the base's, as the report shows
     return StaticMemory(
-        params=params, weight_bytes=base_weight_bytes(tensors, dtype_bytes, fp8) + trained * dtype_bytes,
-        param_bytes=base_weight_bytes(tensors, dtype_bytes, fp8) + trained * dtype_bytes,
+        params=params, weight_bytes=base_weight_bytes(tensors, dtype_bytes, fp8) + adapters * dtype_bytes,
+        param_bytes=base_weight_bytes(tensors, dtype_bytes, fp8) + adapters * dtype_bytes,
         grad_bytes=trained * grad_bytes, optimizer_main_bytes=(own_dense + own_expert) * main,
         optimizer_moment_bytes=(own_dense + own_expert) * MOMENT_BYTES,
         optimizer_elements={**{k: 0 for k in KINDS}, "dense": own_dense, "experts": own_expert}, optimizer_expert_elements=own_expert,
