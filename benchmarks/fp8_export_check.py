@@ -44,14 +44,10 @@ KERNEL_REPO = "kernels-community/finegrained-fp8"
 
 
 def _read(directory) -> dict:
-    from safetensors import safe_open
+    from megatron_glm5.conversion.safetensors_io import HFCheckpointReader
 
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+    reader = HFCheckpointReader(directory)
+    return {k: reader.get(k) for k in reader.keys()}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

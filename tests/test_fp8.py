@@ -18,8 +18,9 @@ import os
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
+
+from megatron_glm5.conversion.safetensors_io import HFCheckpointReader
 
 E4M3 = torch.float8_e4m3fn
 
@@ -255,12 +256,8 @@ def _fp8_release(cfg, model32, directory):
 
 
 def _read_dir(directory) -> dict:
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), "pt") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
+    reader = HFCheckpointReader(str(directory))
+    return {k: reader.get(k) for k in reader.keys()}
 
 
 @pytest.fixture(scope="module")

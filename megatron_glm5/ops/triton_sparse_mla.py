@@ -63,7 +63,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import triton_interpret_compat
-from .base import sparse_mla_autograd
+from .base import sparse_mla_autograd, warn_once
 
 triton_interpret_compat.apply()
 
@@ -492,14 +492,25 @@ def _dense_dkv(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v):
     dkv[:kc, :d_v] += _mm_fp32(p, doc)
 
 
+@functools.lru_cache(maxsize=None)
+def _mm_has_out_dtype(dtype: torch.dtype) -> bool:
+    """Whether this torch's torch.mm takes out_dtype=float32 for 16-bit CUDA operands (probed once per dtype on a
+    16 x 16 product; a torch without it is said once in the log, and the slower fp32 copies are used)."""
+    x = torch.ones(16, 16, dtype=dtype, device="cuda")
+    try:
+        torch.mm(x, x, out_dtype=torch.float32)
+        return True
+    except (TypeError, RuntimeError) as e:
+        warn_once("triton", f"torch.mm has no out_dtype=float32 for {dtype} here ({type(e).__name__}); the dense "
+                  f"dkv products run on fp32 copies of their operands", "fp32 matmuls")
+        return False
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with an fp32 result: bf16 / fp16 operands on a GPU through torch.mm's out_dtype (fp32 accumulation,
-    no rounding of the product to 16 bits); fp32 otherwise (or where this torch lacks out_dtype)."""
-    if a.dtype != torch.float32 and a.is_cuda:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            pass
+    no rounding of the product to 16 bits); fp32 copies otherwise."""
+    if a.dtype != torch.float32 and a.is_cuda and _mm_has_out_dtype(a.dtype):
+        return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
