@@ -50,7 +50,8 @@ MLA_MODES = [("packed", True), ("packed", False), ("cp", True), ("cp", False), (
 MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("packed", True, "slots"),
                 ("cp", False, "slots"), ("packed", False, "dense"), ("empty_rows", True, "dense"),
                 ("empty_rows", False, "slots_no_skip"), ("cp", True, "slots_chunked"), ("cp", False, "dense_chunked"),
-                ("cp", True, "dense_chunked")]
+                ("cp", True, "dense_chunked"), ("packed", True, "dense_chunked_split1"),
+                ("cp", False, "dense_chunked_split3")]
 # indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block); top-k 8 / 16 / 12 below, so
 # block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12)
 KL_MODES = [("packed", False, True, 16), ("packed", True, False, 8), ("cp", True, True, 8),
@@ -252,7 +253,7 @@ def gpu_sparse_problem(layout, seed):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("layout,bwd", [("causal", "default"), ("packed", "default"), ("causal", "fallback"),
-                                        ("causal", "slots"), ("packed", "one_kernel")])
+                                        ("causal", "slots"), ("packed", "one_kernel"), ("packed", "dense_split1")])
 def test_gpu_sparse_mla_real_shapes(layout, bwd):
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -266,7 +267,7 @@ def test_gpu_sparse_mla_real_shapes(layout, bwd):
     # the configuration used when shared memory is short; the previous one-kernel backward (benchmarks/kernels.py)
     # (at S 4096 "auto" is "dense"; "slots" is the long-sequence formulation)
     cfg = {"default": None, "fallback": tsm.BWD_FALLBACKS[0], "slots": dict(DK="slots"),
-           "one_kernel": tsm.ONE_KERNEL_BWD_CONFIG}[bwd]
+           "one_kernel": tsm.ONE_KERNEL_BWD_CONFIG, "dense_split1": dict(DK="dense", DENSE_SPLIT=1)}[bwd]
     for det in (True, False):
         dq = torch.full_like(q, float("nan"))
         grads[det, str(cfg)] = g = tsm.sparse_mla_bwd(q, kv, idx, out, lse, d_out, None, scale, DV,
@@ -276,6 +277,30 @@ def test_gpu_sparse_mla_real_shapes(layout, bwd):
             assert rel_l2(g, want) <= 1e-2, (name, det, cfg, rel_l2(g, want))
     again = tsm.sparse_mla_bwd(q, kv, idx, out, lse, d_out, None, scale, DV, deterministic=True, config=cfg)
     assert torch.equal(again[1], grads[True, str(cfg)][1]) and torch.equal(again[0], grads[True, str(cfg)][0])
+
+
+@gpu
+@needs_cuda
+def test_gpu_sparse_mla_bwd_never_synchronises_with_the_host():
+    """The backward's planning uses host-known sizes only: no device-to-host copy or synchronisation in any
+    formulation (torch's sync debug mode raises on one), and the results are those of the earlier runs."""
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    pr = gpu_sparse_problem("causal", seed=4)
+    out, lse = tsm.sparse_mla_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV)
+    for det, cfg in ((False, None), (True, None), (True, dict(DK="slots")), (False, dict(DK="slots"))):
+        first = tsm.sparse_mla_bwd(pr.q, pr.kv, pr.idx, out, lse, pr.d_out, None, pr.scale, DV, deterministic=det,
+                                   config=cfg)  # compiles outside the checked region
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            again = tsm.sparse_mla_bwd(pr.q, pr.kv, pr.idx, out, lse, pr.d_out, None, pr.scale, DV,
+                                       deterministic=det, config=cfg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert rel_l2(again[1], pr.dkv) <= 1e-2 and rel_l2(again[0], pr.dq) <= 1e-2, (det, cfg)
+        if det:
+            assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1]), cfg
 
 
 @gpu

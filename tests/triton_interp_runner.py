@@ -23,7 +23,9 @@ def run_topk(c):
 # backward variants (test_ops_triton.MLA_VARIANTS): BWD_CONFIG overrides, and "chunked" buffers of 3 query rows
 MLA_VARIANTS = {"one_kernel": dict(DK="in_kernel", SKIP_PAD=False), "slots": dict(DK="slots"),
                 "dense": dict(DK="dense"), "slots_no_skip": dict(DK="slots", SKIP_PAD=False),
-                "slots_chunked": dict(DK="slots"), "dense_chunked": dict(DK="dense")}
+                "slots_chunked": dict(DK="slots"), "dense_chunked": dict(DK="dense"),
+                "dense_chunked_split1": dict(DK="dense", DENSE_SPLIT=1),
+                "dense_chunked_split3": dict(DK="dense", DENSE_SPLIT=3)}
 
 
 def run_mla(c):
@@ -36,8 +38,9 @@ def run_mla(c):
     budgets = triton_sparse_mla.DET_BUFFER_BYTES, triton_sparse_mla.PDS_BUFFER_BYTES
     for det, variant in [(m, None) for m in c["modes"]] + c.get("variants", []):
         q.grad = kv.grad = None
-        triton_sparse_mla.BWD_CONFIG.update(BLOCK_N=16, H_SPLIT=2, DK_BLOCK_S=16, **MLA_VARIANTS.get(variant, {}))
-        if variant and variant.endswith("chunked"):
+        triton_sparse_mla.BWD_CONFIG.update(BLOCK_N=16, H_SPLIT=2, DK_BLOCK_S=16, DENSE_BLOCK_K=16, DENSE_BLOCK_J=16,
+                                            **MLA_VARIANTS.get(variant, {}))
+        if variant and "chunked" in variant:
             row = c["indices"].shape[1] * q.shape[-1] * 4
             triton_sparse_mla.DET_BUFFER_BYTES = triton_sparse_mla.PDS_BUFFER_BYTES = 3 * row
         out, lse = triton_sparse_mla.sparse_mla(q, kv, c["indices"], c["scale"], c["d_v"], deterministic=det)

@@ -16,16 +16,18 @@ dK = dS^T Q (+ P^T dO on the latent part) are then formed one of three ways (BWD
     per (query, DK_BLOCK_S slots), contracts all heads in one product (M = slots, K = heads, N = 576 in DK_BLOCK_C
     columns) -- one dkv row per (query, slot) instead of one per (query, head group, slot);
   * "dense": kernel 1 scatters p and ds into zeroed [key, query x head] matrices (a query's keys are distinct: each
-    entry is written once) and two GEMMs (torch.mm, fp32 result) give the chunk's dkv -- no atomics, but every key
-    below the chunk's largest index is multiplied, selected or not;
+    entry is written once) and ``_dense_dkv_kernel`` multiplies them with Q and dO (fp32 accumulation) -- no
+    atomics, but every key below the chunk's largest index is multiplied, selected or not.  It is launched over
+    all n_keys and reads the chunk's largest index on the device (key blocks past it exit), and it zeroes the
+    tiles it read, so the buffer is zeroed once per call, not per chunk;
   * "in_kernel": the earlier one-kernel backward (ONE_KERNEL_BWD_CONFIG), the products per head group inside
     kernel 1.
-"auto" (the default) takes "dense" where its (key, query) pairs are few enough (DENSE_COST_RATIO: S 4096 causal),
-else "slots".  Summing the contributions of different queries ("slots", "in_kernel"):
+"auto" (the default) takes "dense" where n_keys / topk is small enough (DENSE_KEY_RATIO: S 4096 causal), else
+"slots".  The planning uses host-known sizes only (n_q, n_keys, topk): no host synchronisation in the backward.  Summing the contributions of different queries ("slots", "in_kernel"):
   * "atomic": fp32 atomic adds straight into dkv -- fast, summation order (and so the last bits) not reproducible;
   * "deterministic": contributions of a query chunk are written to a [chunk * rows, D] fp32 buffer, the chunk's
-    rows are stably sorted by key, and a segmented-sum kernel adds each key's rows in that fixed order; chunks are
-    added in order.  Bitwise reproducible.  "dense" is reproducible in both modes (GEMMs, chunks in order).
+    rows are stably sorted by key, and a segmented-sum kernel (one program per key, its rows found by a binary
+    search in the sorted keys) adds each key's rows in that fixed order; chunks are added in order.  Bitwise reproducible.  "dense" is reproducible in both modes (GEMMs, chunks in order).
 Choose with ``deterministic=`` or the env var GLM5_TRITON_DETERMINISTIC (1 / 0).  Default: atomic.  H200
 (docs/design.md, "The Triton sparse-MLA backward"): S 4096 11.1 ms either mode (the one-kernel backward 29.3 /
 50.5), S 32768 154 atomic / 232 deterministic (277 / 465).
@@ -63,7 +65,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import triton_interpret_compat
-from .base import sparse_mla_autograd, warn_once
+from .base import sparse_mla_autograd
 
 triton_interpret_compat.apply()
 
@@ -81,15 +83,17 @@ FWD_CONFIG = dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2)
 # H_SPLIT 1: all 64 heads in one program, M = 64 (wgmma) products; it fits in shared memory now that the dk
 # products left the kernel (213 KB at BLOCK_N 64, one stage)
 BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", SKIP_PAD=True,
-                  DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2)
+                  DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
+                  DENSE_BLOCK_K=128, DENSE_BLOCK_C=128, DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8,
+                  DENSE_num_stages=3)
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
-# "auto" picks "dense" while the (key, query) pairs of its matrices are at most this many times the used
-# (query, slot) pairs, per dkv mode.  H200, benchmarks/kernels.py (docs/design.md): at a ratio of 1.7 (S 4096)
-# "dense" is faster in both modes (11.0 vs 13.6 ms atomic, 11.1 vs 24.8 deterministic); at 8.2 (S 32768) "slots"
-# is faster atomic (155 vs 233 ms) and "dense" deterministic (233 vs 250: no sort, no segmented sums)
-DENSE_COST_RATIO = {"atomic": 4.0, "deterministic": 12.0}
+# "auto" picks "dense" while n_keys / topk (host-known: the keys "dense" may multiply per query against the slots
+# "slots" adds) is at most this, per dkv mode.  H200, benchmarks/kernels.py (docs/design.md), causal, where the
+# keys really multiplied are about half of n_keys: at S 4096 (n_keys / topk 2) "dense" is faster in both modes; at
+# S 32768 (16) "slots" is faster atomic and "dense" deterministic (no sort, no segmented sums)
+DENSE_KEY_RATIO = {"atomic": 4.0, "deterministic": 20.0}
 # tried in order when a configuration needs more shared memory than the GPU has
 BWD_FALLBACKS = (dict(BLOCK_N=32, H_SPLIT=4, num_warps=4, num_stages=1),
                  dict(BLOCK_N=16, H_SPLIT=4, num_warps=4, num_stages=1))
@@ -404,16 +408,14 @@ def _dkv_kernel(
 
 
 @triton.jit
-def _segment_sum_kernel(BUF, PERM, SEG_START, SEG_LEN, SEG_KEY, DKV, n_keys, D,
-                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dkv[key of segment] += sum of the segment's buffer rows, in sorted order (deterministic)."""
-    seg = tl.program_id(0)
+def _segment_sum_kernel(BUF, PERM, BOUNDS, DKV, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dkv[key] += sum of the key's buffer rows PERM[BOUNDS[key]:BOUNDS[key + 1]], in sorted order (deterministic)."""
+    key = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    key = tl.load(SEG_KEY + seg)
-    if key < n_keys:
-        start = tl.load(SEG_START + seg)
-        length = tl.load(SEG_LEN + seg)
+    start = tl.load(BOUNDS + key)
+    length = tl.load(BOUNDS + key + 1) - start
+    if length > 0:
         acc = tl.zeros([BLOCK_D], tl.float32)
         offs_r = tl.arange(0, BLOCK_R)
         for r0 in range(0, length, BLOCK_R):
@@ -421,8 +423,64 @@ def _segment_sum_kernel(BUF, PERM, SEG_START, SEG_LEN, SEG_KEY, DKV, n_keys, D,
             src = tl.load(PERM + start + r0 + offs_r, mask=r_ok, other=0)
             vals = tl.load(BUF + src[:, None] * D + offs_d[None, :], mask=r_ok[:, None] & d_ok[None, :], other=0.0)
             acc += tl.sum(vals, axis=0)
-        ptr = DKV + key.to(tl.int64) * D + offs_d
+        ptr = DKV + key * D + offs_d
         tl.store(ptr, tl.load(ptr, mask=d_ok, other=0.0) + acc, mask=d_ok)
+
+
+@triton.jit
+def _dense_dkv_kernel(
+    PDS, Q, DO, DKV, PART, KEY_END, chunk, n_cols, p_off, row0, n_keys,
+    D: tl.constexpr, DV: tl.constexpr, C0: tl.constexpr, WIDTH: tl.constexpr, TWO: tl.constexpr,
+    CLEAN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_J: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One query chunk's dense dkv product for keys [k0, k0 + BLOCK_K) and dkv columns C0 + [c0, c0 + BLOCK_C)
+    (this launch covers WIDTH columns from C0): dS^T Q (+ P^T dO with TWO: the latent columns) over the chunk's
+    n_cols (query, head) pairs, from the zero-filled [key, n_cols] matrices PDS (dS) and PDS + p_off (P) that
+    _bwd_kernel scattered; Q and dO rows row0 + j.  The chunk's key end KEY_END[chunk] is read on the device: key
+    blocks at or past it do no products (the grid is the host-known key count, so no host synchronisation).
+    SPLIT 1: added into DKV.  SPLIT > 1: the (query, head) range is cut in SPLIT parts, part sp's sum stored to
+    PART[sp] ([SPLIT, n_keys, WIDTH], zeros past the key end) and the parts summed in order afterwards.
+    CLEAN: zero the dS and P tiles once read (each tile is read by exactly one program of such a launch), so the
+    buffer is all zeros again for the next chunk without a memset of the whole of it."""
+    kb = tl.program_id(0)
+    cb = tl.program_id(1)
+    sp = tl.program_id(2)
+    key_end = tl.load(KEY_END + chunk)
+    k0 = kb * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    acc = tl.zeros([BLOCK_K, BLOCK_C], tl.float32)
+    if k0 < key_end:
+        k_ok = offs_k < key_end
+        per = tl.cdiv(tl.cdiv(n_cols, SPLIT), BLOCK_J) * BLOCK_J
+        j_lo = sp * per
+        j_hi = tl.minimum(j_lo + per, n_cols)
+        offs_j = tl.arange(0, BLOCK_J)
+        rows = offs_k.to(tl.int64)[:, None] * n_cols
+        for j0 in range(j_lo, j_hi, BLOCK_J):
+            j = j0 + offs_j
+            j_ok = j < j_hi
+            m = k_ok[:, None] & j_ok[None, :]
+            src = (row0 + j.to(tl.int64))[:, None]
+            a = tl.load(PDS + rows + j[None, :], mask=m, other=0.0)
+            b = tl.load(Q + src * D + C0 + offs_c[None, :], mask=j_ok[:, None], other=0.0)
+            acc = _mma(a, b, acc, IEEE)
+            if TWO:
+                a2 = tl.load(PDS + p_off + rows + j[None, :], mask=m, other=0.0)
+                b2 = tl.load(DO + src * DV + C0 + offs_c[None, :], mask=j_ok[:, None], other=0.0)
+                acc = _mma(a2, b2, acc, IEEE)
+            if CLEAN:
+                tl.store(PDS + rows + j[None, :], tl.zeros_like(a), mask=m)
+                tl.store(PDS + p_off + rows + j[None, :], tl.zeros_like(a), mask=m)
+    k_in = offs_k < n_keys
+    if SPLIT == 1:
+        if k0 < key_end:
+            ptr = DKV + offs_k.to(tl.int64)[:, None] * D + C0 + offs_c[None, :]
+            tl.store(ptr, tl.load(ptr, mask=k_in[:, None], other=0.0) + acc, mask=k_in[:, None])
+    else:
+        ptr = PART + (sp * n_keys + offs_k.to(tl.int64))[:, None] * WIDTH + offs_c[None, :]
+        tl.store(ptr, acc, mask=k_in[:, None])
 
 
 @triton.jit
@@ -455,16 +513,17 @@ def _delta(out: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor]
 
 
 def _segment_reduce_into(dkv: torch.Tensor, buf: torch.Tensor, idx_chunk: torch.Tensor, h_split: int) -> None:
-    """buf rows are ordered (query, head group, slot); idx_chunk [n, K] gives each row's key."""
+    """buf rows are ordered (query, head group, slot); idx_chunk [n, K] gives each row's key.  The rows are stably
+    sorted by key and each key's run is found by a binary search over all n_keys keys (no host synchronisation:
+    the grid is the host-known key count, keys without rows exit at once)."""
     n_keys, d = dkv.shape
     flat = idx_chunk.unsqueeze(1).expand(-1, h_split, -1).reshape(-1).to(torch.int64)
     flat = torch.where((flat >= 0) & (flat < n_keys), flat, torch.full_like(flat, n_keys))
     keys_sorted, perm = torch.sort(flat, stable=True)
-    seg_key, seg_len = torch.unique_consecutive(keys_sorted, return_counts=True)
-    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    bounds = torch.searchsorted(keys_sorted, torch.arange(n_keys + 1, device=flat.device))
     block_d = 128 if d >= 128 else triton.next_power_of_2(d)
-    _segment_sum_kernel[(seg_key.numel(), triton.cdiv(d, block_d))](
-        buf, perm, seg_start, seg_len, seg_key, dkv, n_keys, d, BLOCK_R=16, BLOCK_D=block_d, num_warps=4,
+    _segment_sum_kernel[(n_keys, triton.cdiv(d, block_d))](
+        buf, perm, bounds, dkv, d, BLOCK_R=16, BLOCK_D=block_d, num_warps=4,
     )
 
 
@@ -481,37 +540,24 @@ def _chunk_rows(n_q: int, per_row_bytes: int, budget: int) -> int:
     return max(1, min(n_q, budget // max(1, per_row_bytes)))
 
 
-def _dense_dkv(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v):
-    """dkv[:kc] += dS^T Q + (P^T dO on the latent part) for one query chunk, from the [kc, n * h] matrices that
-    _bwd_kernel (DK_MODE 2) scattered: two GEMMs contracting (query, head), fp32 results."""
-    ds = pds[:kc * n * h].view(kc, n * h)
-    p = pds[p_off:p_off + kc * n * h].view(kc, n * h)
-    qc = q[t0:t0 + n].reshape(n * h, -1)
-    doc = d_out[t0:t0 + n].reshape(n * h, -1)
-    dkv[:kc] += _mm_fp32(ds, qc)
-    dkv[:kc, :d_v] += _mm_fp32(p, doc)
-
-
-@functools.lru_cache(maxsize=None)
-def _mm_has_out_dtype(dtype: torch.dtype) -> bool:
-    """Whether this torch's torch.mm takes out_dtype=float32 for 16-bit CUDA operands (probed once per dtype on a
-    16 x 16 product; a torch without it is said once in the log, and the slower fp32 copies are used)."""
-    x = torch.ones(16, 16, dtype=dtype, device="cuda")
-    try:
-        torch.mm(x, x, out_dtype=torch.float32)
-        return True
-    except (TypeError, RuntimeError) as e:
-        warn_once("triton", f"torch.mm has no out_dtype=float32 for {dtype} here ({type(e).__name__}); the dense "
-                  f"dkv products run on fp32 copies of their operands", "fp32 matmuls")
-        return False
-
-
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result: bf16 / fp16 operands on a GPU through torch.mm's out_dtype (fp32 accumulation,
-    no rounding of the product to 16 bits); fp32 copies otherwise."""
-    if a.dtype != torch.float32 and a.is_cuda and _mm_has_out_dtype(a.dtype):
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+def _dense_dkv(dkv, pds, p_off, key_ends, chunk, n, h, q, d_out, t0, d_v, cfg):
+    """dkv[:key end] += dS^T Q + (P^T dO on the latent part) for one query chunk, from the [key, n * h] matrices
+    that _bwd_kernel (DK_MODE 2) scattered into the zeroed buffer pds: _dense_dkv_kernel, launched over all n_keys
+    (host-known) with the chunk's key end read on the device, once for the latent columns (both products) and once
+    for the rope columns (dS^T Q alone; it also zeroes the tiles, leaving pds zero for the next chunk)."""
+    n_keys, d = dkv.shape
+    split, block_k = int(cfg["DENSE_SPLIT"]), int(cfg["DENSE_BLOCK_K"])
+    for c0, width, two in ((0, d_v, True), (d_v, d - d_v, False)):
+        block_c = min(int(cfg["DENSE_BLOCK_C"]), width) if two else width  # rope: one column block (CLEAN)
+        part = torch.empty(split, n_keys, width, dtype=torch.float32, device=dkv.device) if split > 1 else dkv
+        _dense_dkv_kernel[(triton.cdiv(n_keys, block_k), triton.cdiv(width, block_c), split)](
+            pds, q, d_out, dkv, part, key_ends, chunk, n * h, p_off, t0 * h, n_keys,
+            D=d, DV=d_v, C0=c0, WIDTH=width, TWO=two, CLEAN=not two, SPLIT=split, BLOCK_K=block_k, BLOCK_C=block_c,
+            BLOCK_J=int(cfg["DENSE_BLOCK_J"]), IEEE=q.dtype == torch.float32, num_warps=cfg["DENSE_num_warps"],
+            num_stages=cfg["DENSE_num_stages"],
+        )
+        if split > 1:
+            dkv[:, c0:c0 + width] += part.sum(0)  # the parts in a fixed order
 
 
 def _chunk_key_ends(indices: torch.Tensor, rows: int, n_keys: int) -> torch.Tensor:
@@ -524,25 +570,15 @@ def _chunk_key_ends(indices: torch.Tensor, rows: int, n_keys: int) -> torch.Tens
     return torch.cat(m).clamp(-1, n_keys - 1).add(1).long()
 
 
-def _dk_mode(cfg: dict, indices: torch.Tensor, n_keys: int, ends: Optional[torch.Tensor], dense_rows: int,
-             det: bool):
-    """(the dk formulation, the dense chunks' key ends or None).  "auto": "dense" when its (key, query) pairs --
-    every key below a chunk's largest index, selected or not -- are at most DENSE_COST_RATIO x the used
-    (query, slot) pairs that "slots" adds into dkv (the ratios measured on the H200)."""
+def _dk_mode(cfg: dict, n_keys: int, topk: int, det: bool) -> str:
+    """The dk formulation.  "auto": "dense" when the keys it may multiply per query (all n_keys: the causal
+    structure is not known here, only on the device) are at most DENSE_KEY_RATIO x the top-k slots per query that
+    "slots" adds into dkv -- decided from host-known sizes alone, no host synchronisation."""
     mode = cfg.get("DK", "in_kernel")
-    if mode not in ("auto", "dense"):
-        return mode, None
-    key_ends = _chunk_key_ends(indices, dense_rows, n_keys)
-    used = float(indices.numel())
-    if mode == "auto" and ends is not None:  # the key ends and the used slots in one host sync
-        *key_ends, used = torch.cat([key_ends, ends.sum().reshape(1).long()]).tolist()
-    else:
-        key_ends = key_ends.tolist()
-    if mode == "auto":
-        n_q = indices.shape[0]
-        pairs = sum(kc * min(dense_rows, n_q - i * dense_rows) for i, kc in enumerate(key_ends))
-        mode = "dense" if pairs <= DENSE_COST_RATIO["deterministic" if det else "atomic"] * used else "slots"
-    return mode, key_ends
+    if mode != "auto":
+        return mode
+    ratio = n_keys / max(1, min(topk, n_keys))
+    return "dense" if ratio <= DENSE_KEY_RATIO["deterministic" if det else "atomic"] else "slots"
 
 
 def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float, d_v: int,
@@ -574,13 +610,16 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
     elt = q.element_size()
     configs = [cfg] + [dict(cfg, **c) for c in BWD_FALLBACKS if config is None and dict(cfg, **c) != cfg]
     ends = None
+    mode = _dk_mode(cfg, n_keys, topk, det)
+    if mode not in _DK_MODES:
+        raise ValueError(f"triton sparse_mla_bwd: unknown DK mode {mode!r} (in_kernel, slots, dense, auto)")
+    # every size below is host-known (n_q, n_keys, topk): no host synchronisation in the planning
+    dense_rows = _chunk_rows(n_q, 2 * n_keys * h * elt, PDS_BUFFER_BYTES)
     while True:
         cfg = configs.pop(0)
         skip = bool(cfg.get("SKIP_PAD", False))
         if skip and ends is None:
             ends = _used_slot_ends(indices, n_keys)
-        dense_rows = _chunk_rows(n_q, 2 * n_keys * h * elt, PDS_BUFFER_BYTES)
-        mode, key_ends = _dk_mode(cfg, indices, n_keys, ends, dense_rows, det)
         h_split = max(1, min(int(cfg["H_SPLIT"]), hp // 16))
         rows = n_q
         det_row = 0  # fp32 dkv rows per query (deterministic, "in_kernel" / "slots")
@@ -589,21 +628,22 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         elif mode == "slots":
             det_row = topk * d * 4
             rows = _chunk_rows(n_q, 2 * topk * hp * elt, PDS_BUFFER_BYTES)
-        elif mode == "dense":
-            rows = dense_rows
         else:
-            raise ValueError(f"triton sparse_mla_bwd: unknown DK mode {mode!r} (in_kernel, slots, dense, auto)")
+            rows = dense_rows
         det_rows = det and det_row > 0
         if det_rows:
             rows = min(rows, _chunk_rows(n_q, det_row, DET_BUFFER_BYTES))
         starts = list(range(0, n_q, rows))
         buf = torch.empty(rows * det_row // 4, dtype=torch.float32, device=q.device) if det_rows else dkv
         p_off = 0
+        key_ends = delta  # an unused pointer outside "dense"
         if mode == "slots":
             pds = torch.empty(rows * 2 * topk * hp, dtype=q.dtype, device=q.device)
         elif mode == "dense":
-            p_off = max(key_ends) * rows * h
-            pds = torch.empty(2 * p_off, dtype=q.dtype, device=q.device)
+            # zeroed once: each chunk's dkv kernel zeroes the tiles it read (the scattered entries) again
+            p_off = n_keys * rows * h
+            pds = torch.zeros(2 * p_off, dtype=q.dtype, device=q.device)
+            key_ends = _chunk_key_ends(indices, rows, n_keys)
         else:
             pds = dkv
         ends_arg = ends if skip else delta  # an unused pointer without SKIP_PAD
@@ -613,10 +653,6 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         try:
             for i, t0 in enumerate(starts):
                 n = min(rows, n_q - t0)
-                if mode == "dense":
-                    kc = key_ends[i]
-                    pds[:kc * n * h].zero_()
-                    pds[p_off:p_off + kc * n * h].zero_()
                 _bwd_kernel[(n, h_split)](
                     q, kv, indices, d_out, lse, delta, dq, dkv, buf, pds, ends_arg, hs,
                     q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), d_out.stride(0), d_out.stride(1),
@@ -635,8 +671,8 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
                         ATOMIC=not det, IEEE=q.dtype == torch.float32,
                         num_warps=cfg["DK_num_warps"], num_stages=cfg["DK_num_stages"],
                     )
-                elif mode == "dense" and kc > 0:
-                    _dense_dkv(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v)
+                elif mode == "dense":
+                    _dense_dkv(dkv, pds, p_off, key_ends, i, n, h, q, d_out, t0, d_v, cfg)
                 if det_rows:
                     _segment_reduce_into(dkv, buf, indices[t0:t0 + n], 1 if mode == "slots" else h_split)
             if head_sums is not None and h_split > 1:
