@@ -16,6 +16,8 @@ window, 3x forward); MFU against --peak-tflops (751: the bf16 8192^3 matmul meas
 ``--profile N``: one more step under torch.profiler per impl: its N most expensive ops, and on a GPU the step's
 kernels by category (GEMMs, grouped experts, sparse attention, indexer, KL, MoE permute, elementwise, copies,
 other; ``CATEGORIES`` classifies kernels by name) printed side by side and written to the JSON.
+Below them: GPU busy (the union of the profiled step's kernel / copy intervals), its span (first start to last
+end) and GPU idle (the timed median step minus GPU busy: the time the step waits on the host).
 ``--fusions none,auto``: ours before and after the fused elementwise regions (model/fusions.py) in one run.
 On a CPU (``--device cpu``, fp32, a tiny preset) the same code runs as a smoke test with perf_counter timing.
 """
@@ -154,6 +156,30 @@ def _device_kernels(prof) -> list:
     return rows
 
 
+def gpu_busy_ms(intervals) -> tuple:
+    """(union of the [start, end) intervals in ms, first start to last end in ms); intervals in us."""
+    busy, span_end, cur_start, cur_end = 0.0, None, None, None
+    ordered = sorted(intervals)
+    for start, end in ordered:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+        span_end = max(e for _, e in ordered)
+    span = (span_end - ordered[0][0]) if ordered else 0.0
+    return busy / 1e3, span / 1e3
+
+
+def _kernel_intervals(prof) -> list:
+    """[start, end] in us of every GPU activity (kernels, copies, fills) of a torch.profiler run."""
+    return [(e.time_range.start, e.time_range.end) for e in prof.events()
+            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+
+
 def _profile(model, step, cfg, args, device, gen):
     """One more step under torch.profiler: the table of the --profile ops with the most device (else CPU) time, and
     on a GPU the step's kernels by category (``category_table``)."""
@@ -171,7 +197,10 @@ def _profile(model, step, cfg, args, device, gen):
     table = prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=70)
     if args.profile_sites:
         table += "\n" + _op_sites(prof, key, args.profile)
-    return table, (category_table(_device_kernels(prof)) if device.type == "cuda" else None)
+    if device.type != "cuda":
+        return table, None, None
+    busy, span = gpu_busy_ms(_kernel_intervals(prof))
+    return table, category_table(_device_kernels(prof)), {"busy_ms": busy, "span_ms": span}
 
 
 def _op_sites(prof, key: str, rows: int) -> str:
@@ -260,7 +289,8 @@ def run(name, build, step, cfg, args, device) -> dict:
         if hasattr(model, "zero_grad_buffer"):
             model.zero_grad_buffer()
     ms = statistics.median(times)
-    profile, categories = _profile(model, step, cfg, args, device, gen) if args.profile else (None, None)
+    profile, categories, busy = (_profile(model, step, cfg, args, device, gen) if args.profile
+                                 else (None, None, None))
     syncs = _sync_sites(model, step, cfg, args, device, gen) if args.sync_debug and device.type == "cuda" else None
     tokens = args.batch * args.seq
     flops = training_flops_per_token(cfg, args.seq, sparse=True) * tokens
@@ -273,6 +303,8 @@ def run(name, build, step, cfg, args, device) -> dict:
         res["profile"] = profile
     if categories is not None:
         res["profile_categories"] = categories
+    if busy is not None:  # GPU idle: the timed step minus the union of the profiled step's GPU intervals
+        res["gpu_busy"] = dict(busy, idle_ms=ms - busy["busy_ms"])
     if syncs is not None:
         res["sync_sites"] = syncs
     del model
@@ -359,6 +391,12 @@ def main(argv=None) -> int:
             vals = [sum(v["ms"] for v in r["profile_categories"].values()) if c == "total"
                     else r["profile_categories"].get(c, {"ms": 0.0})["ms"] for r in with_categories]
             print(f"{c:18s}" + "".join(f"{v:16.1f}" for v in vals))
+        if all("gpu_busy" in r for r in with_categories):
+            rows = (("GPU busy (union)", "busy_ms"), ("GPU span", "span_ms"), ("GPU idle", "idle_ms"))
+            for label, key in rows:
+                print(f"{label:18s}" + "".join(f"{r['gpu_busy'][key]:16.1f}" for r in with_categories))
+            print("(GPU busy: union of the profiled step's kernel/copy intervals; span: its first start to last end;"
+                  " GPU idle: the timed median step minus GPU busy)")
         for r in with_categories:
             print(f"\n-- {r['impl']}: top kernels of each category (ms, calls) --")
             for c, v in r["profile_categories"].items():
