@@ -47,6 +47,17 @@ BWD_SWEEP = [
     dict(H_SPLIT=2, num_stages=2),
     dict(H_SPLIT=2, BLOCK_N=128, num_stages=2),
     dict(H_SPLIT=2, BLOCK_N=32, num_stages=2),
+    # kernel 1 with all 64 heads (issue 16): smaller key blocks (fewer live registers), a second stage, 4 warps
+    dict(BLOCK_N=32),
+    dict(BLOCK_N=32, num_stages=2),
+    dict(BLOCK_N=64, num_warps=4),
+]
+# the "dense" dkv kernel (_dense_dkv_kernel), swept with DK "dense": key block, (query, head) split, stages
+DENSE_SWEEP = [
+    dict(),
+    dict(DENSE_SPLIT=1),
+    dict(DENSE_SPLIT=4),
+    dict(DENSE_BLOCK_K=64, DENSE_SPLIT=1),
 ]
 # the backward variants timed side by side in one run (overrides of tsm.BWD_CONFIG, or the name of one of its
 # configurations): the default (DK "auto"), each dk formulation, "slots" without the padding skip, and the previous
@@ -130,6 +141,10 @@ def sweep(seq, reps, log, only=None):
         "bwd": (BWD_SWEEP, tsm.BWD_CONFIG, 2.5 * p.fwd_flop,
                 lambda cfg: tsm.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
                                                deterministic=False, config=dict(tsm.BWD_CONFIG, DK="slots", **cfg))),
+        "bwd_dense": (DENSE_SWEEP, tsm.BWD_CONFIG, 2.5 * p.fwd_flop,
+                      lambda cfg: tsm.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
+                                                     deterministic=False,
+                                                     config=dict(tsm.BWD_CONFIG, DK="dense", **cfg))),
         "prob": (PROB_SWEEP, triton_kl.PROB_CONFIG, None,  # the KL target's head sums, one pass
                  lambda cfg: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV, attn_lse=lse, config=cfg)),
         "kl": (KL_SWEEP, triton_kl.KL_CONFIG, None,  # the fused indexer KL kernel, forward + gradients
@@ -149,13 +164,21 @@ def sweep(seq, reps, log, only=None):
     return res
 
 
-def _fwd_bwd_rows(p, reps, add, tsm):
-    """The Triton forward's row, then one row per backward variant (BWD_VARIANTS) and dkv mode; returns the
-    forward's (out, lse) they use."""
+def _fwd_bwd_rows(p, reps, add, tsm, variants=None, baseline=None):
+    """The Triton forward's row, then one row per backward variant (BWD_VARIANTS, or the names in ``variants``)
+    and dkv mode, and with ``baseline`` (another copy of triton_sparse_mla, loaded by load_baseline) its default
+    backward in both modes on the same inputs; returns the forward's (out, lse) they use."""
     add("sparse_mla fwd (triton)", timed(lambda: tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV), p.refill,
                                          reps), p.fwd_flop)
     out, lse = tsm.sparse_mla_fwd(p.q, p.kv, p.indices, p.scale, DV)
+    for det in ((False, True) if baseline is not None else ()):
+        add(f"sparse_mla bwd (baseline {baseline.__name__.rsplit('.', 1)[-1]} auto, "
+            f"{'deterministic' if det else 'atomic'})", timed(
+                lambda: baseline.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
+                                                deterministic=det), p.refill, reps), 2.5 * p.fwd_flop)
     for variant, over in BWD_VARIANTS.items():
+        if variants and variant not in variants:
+            continue
         cfg = getattr(tsm, over) if isinstance(over, str) else dict(tsm.BWD_CONFIG, **over)
         for det in (False, True):
             add(f"sparse_mla bwd (triton {variant}, {'deterministic' if det else 'atomic'})", timed(
@@ -164,7 +187,22 @@ def _fwd_bwd_rows(p, reps, add, tsm):
     return out, lse
 
 
-def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=None, bwd_only=False):
+def load_baseline(path):
+    """Another copy of ops/triton_sparse_mla.py (e.g. ``git show REV:megatron_glm5/ops/triton_sparse_mla.py >
+    FILE``) imported as a module of megatron_glm5.ops, so that its relative imports resolve."""
+    import importlib.util
+    import os
+
+    name = "megatron_glm5.ops." + os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=None, bwd_only=False,
+          bwd_variants=None, baseline=None):
     from megatron_glm5.ops import reference, triton_indexer, triton_kl
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -192,7 +230,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             add(label.format(suffix), timed(run, p.refill, n_reps), flop)
 
     if bwd_only:  # the sparse MLA rows alone: the forward, then every backward variant
-        _fwd_bwd_rows(p, reps, add, tsm)
+        _fwd_bwd_rows(p, reps, add, tsm, bwd_variants, baseline)
         torch.cuda.empty_cache()
         return rows
     add("indexer_topk (triton)", timed(lambda: triton_indexer.indexer_topk(
@@ -206,7 +244,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             tilelang_indexer.tilelang_indexer_topk, p.qi, p.ki, p.w, TOPK, p.key_start, p.query_end, DI ** -0.5),
             (("", tilelang_indexer.INDEXER_CONFIG), (", pipelined", tilelang_indexer.PIPELINED_INDEXER_CONFIG)),
             max(5, reps // 4))
-    out, lse = _fwd_bwd_rows(p, reps, add, tsm)
+    out, lse = _fwd_bwd_rows(p, reps, add, tsm, bwd_variants, baseline)
     add("indexer KL target (head probs, 2 passes)", timed(
         lambda: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV), p.refill, max(5, reps // 4)))
     add("indexer KL target (head probs, fwd lse)", timed(
@@ -231,11 +269,12 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             lambda: flashmla_sparse_mla.flash_mla_sparse_forward(p.q, p.kv, p.indices, p.scale, DV), p.refill, reps),
             p.fwd_flop)
     if has_tilelang:  # our TileLang forward and backward
-        from megatron_glm5.ops import tilelang_sparse_mla_bwd
+        from megatron_glm5.ops import tilelang_sparse_mla_bwd, tilelang_sparse_mla_ws
 
         tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
             tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV),
-            (("", tilelang_sparse_mla.FWD_CONFIG), (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG),
+            ((", warp-specialised", tilelang_sparse_mla_ws.WS_CONFIG), (", plain loop", tilelang_sparse_mla.FWD_CONFIG),
+             (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG),
              (", pipelined, 64 rows", tilelang_sparse_mla.PIPELINED64_CONFIG)), reps,
             p.fwd_flop)
         tilelang_rows("sparse_mla bwd (our TileLang, atomic{})", functools.partial(
@@ -340,6 +379,11 @@ def main(argv=None):
                          "checkout (benchmarks/peer_tilelang.py)")
     ap.add_argument("--bwd-only", action="store_true",
                     help="only the sparse MLA forward and backward rows (and only the backward's sweep)")
+    ap.add_argument("--bwd-variants", default=None,
+                    help="comma-separated names of BWD_VARIANTS to time (default: all)")
+    ap.add_argument("--bwd-baseline", default=None, metavar="FILE",
+                    help="also time the default backward of this copy of ops/triton_sparse_mla.py in the same run "
+                         "(e.g. git show REV:megatron_glm5/ops/triton_sparse_mla.py > FILE)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS,
                     help="the GPU's measured bf16 matmul TFLOP/s, for the %% of peak column (default: the H200's)")
@@ -355,14 +399,17 @@ def main(argv=None):
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, reps=args.reps,
                   flop_convention="fwd = 2*T*h*topk*(576+512); bwd = 2.5 x fwd; fwd+bwd = 3.5 x fwd")
     if args.sweep:
-        result["sweep"] = sweep(args.sweep_seq, max(5, args.reps // 2), log, only=("bwd",) if args.bwd_only else None)
+        result["sweep"] = sweep(args.sweep_seq, max(5, args.reps // 2), log,
+                                only=("bwd", "bwd_dense") if args.bwd_only else None)
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
     result["fwd_config"], result["bwd_config"] = dict(tsm.FWD_CONFIG), dict(tsm.BWD_CONFIG)
     result["rows"] = []
+    variants = args.bwd_variants.split(",") if args.bwd_variants else None
+    baseline = load_baseline(args.bwd_baseline) if args.bwd_baseline else None
     for seq in args.seqs:
         result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log, args.peak_tflops,
-                                args.tilelang_examples, args.bwd_only)
+                                args.tilelang_examples, args.bwd_only, variants, baseline)
     for tokens in args.moe_tokens:
         result["rows"] += bench_moe_permute(tokens, args.reps, log)
     log(f"total {time.time() - t0:.0f} s")

@@ -22,6 +22,7 @@ import torch
 from megatron_glm5.ops import base, reference, registry
 from megatron_glm5.ops import tilelang_sparse_mla as tlm
 from megatron_glm5.ops import tilelang_sparse_mla_bwd as tlb
+from megatron_glm5.ops import tilelang_sparse_mla_ws as tlws
 from megatron_glm5.ops.tilelang_backend import TilelangBackend
 from megatron_glm5.ops.tilelang_sparse_mla import TILELANG_INSTALL
 from megatron_glm5.ops.triton_backend import TritonBackend
@@ -304,6 +305,7 @@ def test_backend_autograd_uses_both_tilelang_kernels(monkeypatch):
 
 
 CONFIGS = {"default": tlm.FWD_CONFIG, "pipelined": tlm.PIPELINED_CONFIG, "pipelined64": tlm.PIPELINED64_CONFIG}
+GPU_CONFIGS = dict(CONFIGS, ws=tlws.WS_CONFIG, ws_exact=tlws.WS_EXACT_CONFIG)  # the GPU tests' forward kernels
 
 
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG,
@@ -335,6 +337,27 @@ def test_kernel_lowers_to_cuda_for_sm90a(tmp_path, config):
     assert "sparse_mla_fwd_kernel" in src and "wgmma" in src  # Hopper tensor-core MMA for both products
     assert ("cp_async" in src) == config.startswith("pipelined")  # the pipelined gather is asynchronous
     nvcc_cubin(tmp_path, src)
+
+
+@needs_tilelang
+def test_warp_specialised_kernel_lowers_to_cuda_for_sm90a(tmp_path):
+    """Producer / consumer roles (register reallocation, mbarriers, the cp.async gather), q and two kv buffers in the
+    H200's shared memory, and with nvcc: no register spills in ptxas's report."""
+    art = tlm.lower_artifact(tlws.build_sparse_fwd_ws(64, DV, 64, 2048, DQK ** -0.5))
+    src = art.kernel_source
+    assert "wgmma" in src and "cp_async" in src and src.count("warpgroup_reg_alloc<232>") == 2
+    assert "warpgroup_reg_dealloc<40>" in src  # the producer hands its registers to the two consumers
+    assert "mbarrier_cp_async_arrive_noinc" in src and "tma_load" in src
+    assert (64 * DQK + 2 * 64 * DQK) * 2 <= tlm.dynamic_shared_bytes(art) <= H200_SHARED_BYTES
+    report = nvcc_cubin(tmp_path, src)
+    if report is not None:
+        assert " 0 bytes spill stores" in report, report
+    with pytest.raises(ValueError, match="d_rope == 64"):
+        tlws.build_sparse_fwd_ws(64, DV, 32, 2048, 0.1)
+    # 2 x 240 + 32 = 512 > 3 x 168 registers at launch: the consumers' setmaxnreg.inc would wait forever (it hung
+    # the H200 on 2026-12-01)
+    with pytest.raises(ValueError, match="must be at most 504"):
+        tlws.build_sparse_fwd_ws(64, DV, 64, 2048, 0.1, consumer_regs=240, producer_regs=32)
 
 
 BWD_CONFIGS = {"default": tlb.BWD_CONFIG, "narrow": tlb.NARROW_BWD_CONFIG}
@@ -384,15 +407,15 @@ def test_gpu_tilelang_sparse_mla_real_shapes(layout):
     pr = gpu_sparse_problem(layout, seed=21)
     q, kv, idx, d_out, scale, out, lse = pr.q, pr.kv, pr.idx, pr.d_out, pr.scale, pr.nan_out, pr.nan_lse
     ro, rl = pr.out, pr.lse
-    tlm.tilelang_sparse_fwd(q, kv, idx, scale, DV, out=out, lse=lse)
+    tlm.tilelang_sparse_fwd(q, kv, idx, scale, DV, out=out, lse=lse)  # the backend's default forward
     assert not out.isnan().any() and not lse.isnan().any()
     assert rel_l2(out, ro) <= 1e-2 and rel_l2(lse, rl) <= 1e-2, (rel_l2(out, ro), rel_l2(lse, rl))
-    for name in CONFIGS:
+    for name in GPU_CONFIGS:
         if name == "default":
             continue
         o_p = torch.full_like(out, float("nan"))
         l_p = torch.full_like(lse, float("nan"))
-        tlm.tilelang_sparse_fwd(q, kv, idx, scale, DV, config=CONFIGS[name], out=o_p, lse=l_p)
+        tlm.tilelang_sparse_fwd(q, kv, idx, scale, DV, config=GPU_CONFIGS[name], out=o_p, lse=l_p)
         assert not o_p.isnan().any() and not l_p.isnan().any()
         assert rel_l2(o_p, ro) <= 1e-2 and rel_l2(l_p, rl) <= 1e-2, (name, rel_l2(o_p, ro), rel_l2(l_p, rl))
     # through the backend: TileLang forward and backward
@@ -407,13 +430,13 @@ def test_gpu_tilelang_sparse_mla_real_shapes(layout):
 
 @gpu
 @needs_gpu_tilelang
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", list(GPU_CONFIGS))
 def test_gpu_tilelang_padded_heads_and_rows_without_keys(config):
     q, kv, idx = _inputs(300, 500, 16, 200, seed=5, empty_rows=(0, 7, 299))
     q, kv, idx = q.cuda(), kv.cuda(), idx.cuda()
     out = torch.full((300, 16, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
     lse = torch.full((300, 16), float("nan"), device="cuda")
-    tlm.tilelang_sparse_fwd(q, kv, idx, 0.04, DV, config=CONFIGS[config], out=out, lse=lse)
+    tlm.tilelang_sparse_fwd(q, kv, idx, 0.04, DV, config=GPU_CONFIGS[config], out=out, lse=lse)
     ro, rl = reference.sparse_mla(q.float(), kv.float(), idx.long(), 0.04, DV)
     empty = torch.zeros(300, dtype=torch.bool, device="cuda")
     empty[[0, 7, 299]] = True

@@ -20,7 +20,9 @@ Three configurations: FWD_CONFIG (the default; a plain loop, 64 rows per step), 
 stages: the cp.async gather of the next 32 rows overlaps this block's math) and PIPELINED64_CONFIG (the same with 64
 rows, the shape of TileLang's example kernel; not timed yet).  ptxas for sm_90a: 215 registers, no
 spills (default); 255 registers, 4 bytes spilled (pipelined).  On the H200 the default is faster (246 vs 200
-TFLOP/s at S 4096; docs/performance.md).
+TFLOP/s at S 4096; docs/performance.md).  A fourth, warp-specialised kernel (producer / two consumers, FlashMLA's
+schedule) is ``tilelang_sparse_mla_ws.WS_CONFIG``: a config naming its own ``builder`` is passed through whole (its
+``topk_multiple`` sets the top-k padding, ``fast_math`` TileLang's fast-math pass); it is not the default yet.
 
 Backward: our TileLang kernel, ``tilelang_sparse_mla_bwd.tilelang_sparse_bwd`` (see that module), through
 the backends' autograd Function (``base.SparseMLAFunction``) with both of ours plugged in; in deterministic mode the
@@ -105,15 +107,16 @@ def selected_scores(block_n: int, d_v: int, d_rope: int):
     return gather_and_score
 
 
-def compiled_kernel(builder, *sizes, **cfg):
-    """``tilelang.compile(builder(*sizes, **cfg))``, once per (builder, sizes, configuration) in this process (the
-    kernels of the tilelang backend are compiled lazily, with token and key counts dynamic)."""
-    key = (builder.__module__, builder.__name__, sizes, tuple(sorted(cfg.items())))
+def compiled_kernel(builder, *sizes, pass_configs: Optional[dict] = None, **cfg):
+    """``tilelang.compile(builder(*sizes, **cfg))``, once per (builder, sizes, configuration, TileLang pass configs)
+    in this process (the kernels of the tilelang backend are compiled lazily, with token and key counts dynamic)."""
+    key = (builder.__module__, builder.__name__, sizes, tuple(sorted(cfg.items())),
+           tuple(sorted((pass_configs or {}).items())))
     kernel = _KERNELS.get(key)
     if kernel is None:
         import tilelang
 
-        kernel = _KERNELS[key] = tilelang.compile(builder(*sizes, **cfg), target="cuda")
+        kernel = _KERNELS[key] = tilelang.compile(builder(*sizes, **cfg), target="cuda", pass_configs=pass_configs)
     return kernel
 
 
@@ -231,7 +234,10 @@ def dynamic_shared_bytes(artifact) -> int:
 
 
 def _compiled(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, cfg: dict):
-    return compiled_kernel(build_sparse_fwd, heads, d_v, d_rope, topk, float(softmax_scale), **cfg)
+    cfg = dict(cfg)  # builder: the kernel's (default ours above); fast_math: TileLang's fast exp2 / log2
+    builder = cfg.pop("builder", build_sparse_fwd)
+    fast = {"tl.enable_fast_math": True} if cfg.pop("fast_math", False) else None
+    return compiled_kernel(builder, heads, d_v, d_rope, topk, float(softmax_scale), pass_configs=fast, **cfg)
 
 
 def tilelang_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
@@ -239,14 +245,16 @@ def tilelang_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
                         lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(out [T, h, d_v] bf16, lse [T, h] fp32) from our TileLang kernel; same contract as
     ``triton_sparse_mla.sparse_mla_fwd`` (out / lse may be given: contiguous, written in full)."""
-    cfg = dict(FWD_CONFIG, **(config or {}))
+    # a config naming its own builder (tilelang_sparse_mla_ws.WS_CONFIG) is complete; others override FWD_CONFIG
+    cfg = dict(config) if config and "builder" in config else dict(FWD_CONFIG, **(config or {}))
+    topk_multiple = cfg.pop("topk_multiple", cfg.get("block_n"))
     n_q, h, d_qk = q.shape
     d_rope = d_qk - d_v
     h_pad = -(-h // HEAD_BLOCK) * HEAD_BLOCK
     q_k = q.contiguous()
     if h_pad != h:  # zero heads up to a whole head block; their rows are dropped below
         q_k = torch.nn.functional.pad(q_k, (0, 0, 0, h_pad - h))
-    idx = pad_topk(indices, cfg["block_n"])
+    idx = pad_topk(indices, topk_multiple)
     out_k = out if out is not None and h_pad == h else torch.empty(n_q, h_pad, d_v, dtype=q.dtype, device=q.device)
     lse_k = lse if lse is not None and h_pad == h else torch.empty(n_q, h_pad, dtype=torch.float32, device=q.device)
     if n_q > 0:

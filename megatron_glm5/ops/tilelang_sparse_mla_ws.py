@@ -1,0 +1,258 @@
+"""Our warp-specialised TileLang sparse MLA forward (``WS_CONFIG``; selectable with ``config=``, not the default).
+
+Status (2026-12-01): lowers and compiles for sm_90a (ptxas: 168 registers at launch, no spills, 222,208 bytes of
+dynamic shared memory); NOT yet verified on a GPU.  Its first H200 run used 240 / 32 registers per consumer /
+producer thread, 8 more than the block holds (2 x 240 + 32 > 3 x 168), so the consumers' setmaxnreg.inc waited
+forever and the kernel hung; the builder now rejects such counts and defaults to 232 / 40.
+
+Same contract as ``tilelang_sparse_mla.tilelang_sparse_fwd`` (out [T, h, d_v] bf16, lse [T, h] fp32 natural log,
+-inf lse and 0 out for rows without keys, -1 / >= Tk slots unused, heads padded to 64), through the same wrapper:
+``WS_CONFIG`` names this module's builder.  The schedule is the one of FlashMLA's sm90 sparse prefill kernel, written
+here in TileLang:
+
+* one thread block per (query token, 64 heads), 384 threads in three warpgroups; q (latent + rope) is TMA-loaded once;
+* warpgroup 2, the producer (few registers), gathers the selected kv rows with cp.async, 64 rows per block, into two
+  shared buffers: even blocks into buffer 0, odd blocks into buffer 1; each buffer has a "ready" mbarrier (completed
+  by the cp.async arrivals) and a "free" one (both consumers arrive when done with it);
+* consumer warpgroup c (c = 0, 1) computes the 64 x 64 score tile of the blocks in ITS buffer (q k^T over all 576
+  columns), so both consumers do the same tensor-core work; the running row max is shared: consumer 0 publishes the
+  max of its tile (and the previous max) in shared memory, consumer 1 folds in its own tile and publishes the block
+  pair's max, which both use for exp2; each rounds its p to bf16 into the rope part of its own kv buffer (free once
+  its scores are computed: p [64 heads, 64 slots] has the shape of k_rope [64 slots, 64]);
+* consumer c owns output columns c * d_v / 2 .. of the 64 heads: acc_c = acc_c * alpha + p_0 v_0[:, half c] +
+  p_1 v_1[:, half c], reading both consumers' p; row sums are per consumer and added in the epilogue.
+
+An unused slot reads a clamped row (finite) and gets score -inf, so p = 0 there; the running max starts at the
+finite floor ``M_FLOOR``.  Needs d_rope == 64 (the p tile lives in the rope buffer) and d_v a multiple of 128; the top-k
+slots are padded to a multiple of 128 (two blocks per step).  Other shapes take the plain kernel (``FWD_CONFIG``).
+"""
+
+# no ``from __future__ import annotations``: TileLang evaluates the kernel's annotations (closure sizes) eagerly
+from typing import Optional, Tuple
+
+import torch
+
+from . import tilelang_sparse_mla
+from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, check_tiles
+
+__all__ = ["WS_CONFIG", "WS_EXACT_CONFIG", "build_sparse_fwd_ws", "tilelang_sparse_fwd_ws", "ws_fits"]
+
+BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
+PRODUCER_THREADS = 128
+ROWS_PER_PASS = PRODUCER_THREADS // 8  # eight producer threads per kv row, 16 bytes (8 bf16) per cp.async each
+#: registers per thread ptxas gives a 384-thread block (65536 / 384 rounded down to a multiple of 8): the pool the
+#: setmaxnreg redistribution works within (a block cannot grow past its launch allocation)
+LAUNCH_REGS = 168
+
+
+def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, consumer_regs: int = 232,
+                        producer_regs: int = 40, dtype: str = "bfloat16"):
+    """The TileLang prim_func of the warp-specialised forward (module docstring); same arguments as
+    ``tilelang_sparse_mla.build_sparse_fwd``'s kernel.  heads % 64 == 0, topk % 128 == 0, d_rope == 64.
+    consumer_regs / producer_regs: the per-thread registers of each role after setmaxnreg (multiples of 8); their
+    sum over the three warpgroups must fit the block's launch allocation (``LAUNCH_REGS`` per thread), else the
+    consumers' setmaxnreg.inc waits forever for registers nobody frees."""
+    import tilelang.language as T
+
+    check_tiles(heads, topk, 2 * BLOCK_N)
+    if 2 * consumer_regs + producer_regs > 3 * LAUNCH_REGS or consumer_regs % 8 or producer_regs % 8:
+        raise ValueError(f"consumer_regs ({consumer_regs}) x 2 + producer_regs ({producer_regs}) must be at most "
+                         f"{3 * LAUNCH_REGS} (3 warpgroups x {LAUNCH_REGS} registers at launch), multiples of 8")
+    if d_rope != BLOCK_N or d_v % 128:
+        raise ValueError(f"the warp-specialised forward needs d_rope == {BLOCK_N} and d_v % 128 == 0, "
+                         f"got {d_rope} / {d_v}")
+    d_qk = d_v + d_rope
+    half = d_v // 2
+    hb_n = heads // HEAD_BLOCK
+    n_pairs = topk // (2 * BLOCK_N)
+    acc_t, idx_t = "float32", "int32"
+    c_log2 = float(softmax_scale) * LOG2E
+    n_q = T.dynamic("n_q")
+    n_kv = T.dynamic("n_kv")
+    wg = 128  # threads per warpgroup
+
+    @T.prim_func
+    def sparse_mla_fwd_ws_kernel(
+        Q: T.Tensor((n_q, heads, d_qk), dtype),
+        KV: T.Tensor((n_kv, d_qk), dtype),
+        Idx: T.Tensor((n_q, topk), idx_t),
+        Out: T.Tensor((n_q, heads, d_v), dtype),
+        Lse: T.Tensor((n_q, heads), acc_t),
+    ):
+        with T.Kernel(n_q, hb_n, threads=3 * wg) as (tok, hb):
+            q_lat = T.alloc_shared((HEAD_BLOCK, d_v), dtype)
+            q_rope = T.alloc_shared((HEAD_BLOCK, d_rope), dtype)
+            k0_lat = T.alloc_shared((BLOCK_N, d_v), dtype)
+            k0_rope = T.alloc_shared((BLOCK_N, d_rope), dtype)  # then p of consumer 0 [heads, slots]
+            k1_lat = T.alloc_shared((BLOCK_N, d_v), dtype)
+            k1_rope = T.alloc_shared((BLOCK_N, d_rope), dtype)  # then p of consumer 1
+            m0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # consumer 0's running max after its tile
+            m1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # the block pair's max (consumer 1)
+            l0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
+            l1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
+
+            s = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            acc = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
+            m_run = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            m_new = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            alpha = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            l_run = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            l_blk = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            lse_f = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            row = T.alloc_var(idx_t)
+
+            bar_q = T.alloc_barrier(arrive_count=3 * wg)
+            bar_ready = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * 2)  # kv buffer b gathered
+            bar_free = T.alloc_barrier(arrive_count=[2 * wg] * 2)  # kv buffer b read by both consumers
+            bar_m0 = T.alloc_barrier(arrive_count=wg)  # m0_sh written
+            bar_m1 = T.alloc_barrier(arrive_count=wg)  # m1_sh written
+            bar_p = T.alloc_barrier(arrive_count=[wg] * 2)  # p of consumer c in its rope buffer
+            bar_l = T.alloc_barrier(arrive_count=2 * wg)  # both row sums written
+
+            h0 = hb * HEAD_BLOCK
+            tx = T.get_thread_binding()
+            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q)
+            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q)
+            T.barrier_arrive(bar_q)
+
+            if tx < wg:  # consumer 0: even blocks (buffer 0), output columns 0 .. half
+                T.set_max_nreg(consumer_regs, 1)
+                T.fill(acc, 0)
+                T.fill(l_run, 0)
+                T.fill(m_run, M_FLOOR)
+                T.barrier_wait(bar_q, 0)
+                for it in T.serial(n_pairs):
+                    ph = it & 1
+                    T.barrier_wait(bar_ready[0], ph)
+                    T.gemm(q_lat, k0_lat, s, transpose_B=True, clear_accum=True)
+                    T.gemm(q_rope, k0_rope, s, transpose_B=True)
+                    for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+                        sel = Idx[tok, (2 * it) * BLOCK_N + j]
+                        s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity(acc_t))
+                    T.reduce_max(s, m_new, dim=1, clear=True)
+                    for i in T.Parallel(HEAD_BLOCK):
+                        m0_sh[i] = T.max(m_run[i], m_new[i])
+                    T.barrier_arrive(bar_m0)
+                    T.barrier_wait(bar_m1, ph)
+                    for i in T.Parallel(HEAD_BLOCK):
+                        m_new[i] = m1_sh[i]
+                        alpha[i] = T.exp2(m_run[i] - m_new[i])
+                        m_run[i] = m_new[i]
+                    for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+                        s[i, j] = T.exp2(s[i, j] - m_run[i])
+                    T.reduce_sum(s, l_blk, dim=1)
+                    for i in T.Parallel(HEAD_BLOCK):
+                        l_run[i] = l_run[i] * alpha[i] + l_blk[i]
+                    T.copy(s, k0_rope)
+                    for i, c in T.Parallel(HEAD_BLOCK, half):
+                        acc[i, c] = acc[i, c] * alpha[i]
+                    T.gemm(k0_rope, k0_lat[:, 0:half], acc)  # the fence for k0_rope's stores precedes this gemm
+                    T.barrier_arrive(bar_p[0])
+                    T.barrier_wait(bar_p[1], ph)
+                    T.gemm(k1_rope, k1_lat[:, 0:half], acc)
+                    T.barrier_arrive(bar_free[0])
+                    T.barrier_arrive(bar_free[1])
+                T.copy(l_run, l0_sh)
+                T.barrier_arrive(bar_l)
+                T.barrier_wait(bar_l, 0)
+                for i in T.Parallel(HEAD_BLOCK):
+                    l_run[i] = l_run[i] + l1_sh[i]
+                for i, c in T.Parallel(HEAD_BLOCK, half):
+                    acc[i, c] = T.if_then_else(l_run[i] > 0, acc[i, c] / l_run[i], 0)
+                for i in T.Parallel(HEAD_BLOCK):
+                    lse_f[i] = T.if_then_else(l_run[i] > 0, (T.log2(l_run[i]) + m_run[i]) * LN2, -T.infinity(acc_t))
+                T.copy(acc, Out[tok, h0:h0 + HEAD_BLOCK, 0:half])
+                T.copy(lse_f, Lse[tok, h0:h0 + HEAD_BLOCK])
+            elif tx < 2 * wg:  # consumer 1: odd blocks (buffer 1), output columns half .. d_v
+                T.set_max_nreg(consumer_regs, 1)
+                T.fill(acc, 0)
+                T.fill(l_run, 0)
+                T.fill(m_run, M_FLOOR)
+                T.barrier_wait(bar_q, 0)
+                for it in T.serial(n_pairs):
+                    ph = it & 1
+                    T.barrier_wait(bar_ready[1], ph)
+                    T.gemm(q_lat, k1_lat, s, transpose_B=True, clear_accum=True)
+                    T.gemm(q_rope, k1_rope, s, transpose_B=True)
+                    for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+                        sel = Idx[tok, (2 * it + 1) * BLOCK_N + j]
+                        s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity(acc_t))
+                    T.reduce_max(s, m_new, dim=1, clear=True)
+                    T.barrier_wait(bar_m0, ph)
+                    for i in T.Parallel(HEAD_BLOCK):
+                        m_new[i] = T.max(m_new[i], m0_sh[i])
+                        m1_sh[i] = m_new[i]
+                    T.barrier_arrive(bar_m1)
+                    for i in T.Parallel(HEAD_BLOCK):
+                        alpha[i] = T.exp2(m_run[i] - m_new[i])
+                        m_run[i] = m_new[i]
+                    for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+                        s[i, j] = T.exp2(s[i, j] - m_run[i])
+                    T.reduce_sum(s, l_blk, dim=1)
+                    for i in T.Parallel(HEAD_BLOCK):
+                        l_run[i] = l_run[i] * alpha[i] + l_blk[i]
+                    T.copy(s, k1_rope)
+                    for i, c in T.Parallel(HEAD_BLOCK, half):
+                        acc[i, c] = acc[i, c] * alpha[i]
+                    T.gemm(k1_rope, k1_lat[:, half:d_v], acc)
+                    T.barrier_arrive(bar_p[1])
+                    T.barrier_wait(bar_p[0], ph)
+                    T.gemm(k0_rope, k0_lat[:, half:d_v], acc)
+                    T.barrier_arrive(bar_free[0])
+                    T.barrier_arrive(bar_free[1])
+                T.copy(l_run, l1_sh)
+                T.barrier_arrive(bar_l)
+                T.barrier_wait(bar_l, 0)
+                for i in T.Parallel(HEAD_BLOCK):
+                    l_run[i] = l_run[i] + l0_sh[i]
+                for i, c in T.Parallel(HEAD_BLOCK, half):
+                    acc[i, c] = T.if_then_else(l_run[i] > 0, acc[i, c] / l_run[i], 0)
+                T.copy(acc, Out[tok, h0:h0 + HEAD_BLOCK, half:d_v])
+            else:  # producer: gathers block 2 it into buffer 0 and 2 it + 1 into buffer 1
+                T.set_max_nreg(producer_regs, 0)
+                p = tx - 2 * wg
+                r0 = p // 8
+                col = (p % 8) * 8
+                for it in T.serial(n_pairs):
+                    T.barrier_wait(bar_free[0], (it & 1) ^ 1)
+                    for r in T.serial(BLOCK_N // ROWS_PER_PASS):
+                        row = T.max(T.min(Idx[tok, (2 * it) * BLOCK_N + r * ROWS_PER_PASS + r0], n_kv - 1), 0)
+                        for u in T.unroll(d_v // 64):
+                            T.ptx_cp_async(T.access_ptr(k0_lat[r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
+                                           T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
+                        T.ptx_cp_async(T.access_ptr(k0_rope[r * ROWS_PER_PASS + r0, col], "w", 8),
+                                       T.access_ptr(KV[row, d_v + col], "r", 8), 8)
+                    T.cp_async_barrier_noinc(bar_ready[0])
+                    T.barrier_wait(bar_free[1], (it & 1) ^ 1)
+                    for r in T.serial(BLOCK_N // ROWS_PER_PASS):
+                        row = T.max(T.min(Idx[tok, (2 * it + 1) * BLOCK_N + r * ROWS_PER_PASS + r0], n_kv - 1), 0)
+                        for u in T.unroll(d_v // 64):
+                            T.ptx_cp_async(T.access_ptr(k1_lat[r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
+                                           T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
+                        T.ptx_cp_async(T.access_ptr(k1_rope[r * ROWS_PER_PASS + r0, col], "w", 8),
+                                       T.access_ptr(KV[row, d_v + col], "r", 8), 8)
+                    T.cp_async_barrier_noinc(bar_ready[1])
+
+    return sparse_mla_fwd_ws_kernel
+
+
+#: the tilelang backend's default forward: this module's kernel through ``tilelang_sparse_fwd`` (top-k padded to
+#: two blocks); ``tilelang_sparse_mla.FWD_CONFIG`` (the plain loop) stays selectable as ``config=``
+WS_CONFIG = dict(builder=build_sparse_fwd_ws, topk_multiple=2 * BLOCK_N, consumer_regs=232, producer_regs=40,
+                 fast_math=True)
+#: the same kernel with exact exp2f (TileLang's fast-math pass off), for the benchmark's comparison
+WS_EXACT_CONFIG = dict(WS_CONFIG, fast_math=False)
+
+
+def ws_fits(q: torch.Tensor, d_v: int) -> bool:
+    """Whether the warp-specialised kernel takes these shapes (d_rope == 64, d_v % 128 == 0)."""
+    return q.shape[-1] - d_v == BLOCK_N and d_v % 128 == 0
+
+
+def tilelang_sparse_fwd_ws(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,
+                           config: Optional[dict] = None, out: Optional[torch.Tensor] = None,
+                           lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``tilelang_sparse_fwd`` with this module's kernel (config: overrides of WS_CONFIG), or the plain kernel
+    (``FWD_CONFIG``) for shapes it does not take."""
+    cfg = dict(WS_CONFIG, **(config or {})) if ws_fits(q, d_v) else dict(FWD_CONFIG)
+    return tilelang_sparse_mla.tilelang_sparse_fwd(q, kv, indices, softmax_scale, d_v, config=cfg, out=out, lse=lse)
