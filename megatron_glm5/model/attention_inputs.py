@@ -26,6 +26,7 @@ import torch
 
 from megatron_glm5.model.context_parallel import gather_sequence, global_order, local_positions
 from megatron_glm5.model.rope import rope_angles
+from megatron_glm5.ops import host_windows
 
 
 @dataclass
@@ -66,25 +67,27 @@ class AttentionInputs:
 def token_windows(batch: int, seq: int, cu_seqlens: Optional[torch.Tensor] = None, cp_size: int = 1,
                   cp_rank: int = 0, device=None):
     """(key_start [T], query_end [T], max_window) of CP rank ``cp_rank``'s T = batch * seq / cp_size query tokens
-    over the batch * seq global key rows; ``seq`` is the global sequence length (see the module docstring)."""
-    t = torch.arange(batch * seq, device=device, dtype=torch.int64)  # every global token, batch-major
+    over the batch * seq global key rows; ``seq`` is the global sequence length (see the module docstring).
+    Built on the host from host-known values (a device cu_seqlens is copied once) and moved to ``device``
+    asynchronously; ops/host_windows.py keeps the host copies, which the kernels' chunk planning reads."""
+    t = torch.arange(batch * seq, dtype=torch.int64)  # every global token, batch-major
     if cu_seqlens is None:
         key_start = (t // seq) * seq
     else:
         if batch != 1:
             raise ValueError(f"packed sequences need micro-batch size 1 (got a batch of {batch})")
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
         if int(cu[-1]) != seq:
             raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed sequence has {seq} tokens")
         doc = torch.searchsorted(cu, t, right=True) - 1
         key_start = cu[doc]
     # over all global tokens, so that every CP rank picks the same top-k width as a one-rank run
     max_window = int((t - key_start).max()) + 1 if t.numel() else 0
-    if cp_size == 1:
-        return key_start, t, max_window
-    pos = local_positions(seq, cp_size, cp_rank, device=device)
-    local = (torch.arange(batch, device=device)[:, None] * seq + pos[None, :]).reshape(-1)
-    return key_start[local], local, max_window
+    if cp_size > 1:
+        pos = local_positions(seq, cp_size, cp_rank)
+        t = (torch.arange(batch)[:, None] * seq + pos[None, :]).reshape(-1)
+        key_start = key_start[t]
+    return host_windows.to_device(key_start, device), host_windows.to_device(t, device), max_window
 
 
 def build_attention_inputs(

@@ -129,7 +129,7 @@ class GLM5MLASelfAttention(MLASelfAttention):
         q_resid = self.q_layernorm(q_c)
         q = local_linear(self.linear_q_up_proj, copy_to_tensor_model_parallel_region(q_resid, group=group))
         q = q.view(s, b, h, nope + rope)
-        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        q_nope, q_rope = q.split([nope, rope], dim=-1)  # backward: one cat (two slices: zero-fills + adds)
 
         fuse = fusions.on(cfg, x)
         kv_norm = self.kv_layernorm
@@ -137,7 +137,7 @@ class GLM5MLASelfAttention(MLASelfAttention):
             latent_key(kv_c, kv_norm.weight, kv_norm.eps, inputs.cos, inputs.sin, lat, fuse=fuse), group=group)
 
         w_kv = dense_weight(self.linear_kv_up_proj).view(h, nope + dv, lat)
-        w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
+        w_uk, w_uv = w_kv.split([nope, dv], dim=1)
         q_lat = torch.einsum("sbhn,hnc->sbhc", q_nope, w_uk)
         q_abs = absorbed_query(q_lat, q_rope, inputs.cos, inputs.sin, fuse=fuse)
 

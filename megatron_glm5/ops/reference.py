@@ -30,6 +30,8 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import host_windows
+
 #: the one dtype of top-k index tensors [T, width] (global key rows, -1 in unused slots): every producer (the
 #: backends' indexer_topk, the pipeline stages' receive buffer in model/pipeline_topk.py) makes or casts to it
 TOPK_DTYPE = torch.int32
@@ -99,7 +101,7 @@ class _Windows:
         """n_valid on ``device`` (copied once per device)."""
         key = str(device)
         if key not in self._on_device:
-            self._on_device[key] = self.n_valid.to(device)
+            self._on_device[key] = host_windows.to_device(self.n_valid, device)  # async: no host wait
         return self._on_device[key]
 
 
@@ -111,6 +113,7 @@ def windows(key_start: Tensor, query_end: Tensor, n_queries: int, n_keys: int) -
     forward passes the step's one key_start / query_end, so the device -> host copy (a host-GPU synchronisation)
     happens once per step instead of once per layer and op."""
     global _last_windows
+    key_start, query_end = host_windows.host_copy(key_start), host_windows.host_copy(query_end)
     versions = (getattr(key_start, "_version", None), getattr(query_end, "_version", None), n_queries, n_keys)
     if _last_windows is not None:
         ks_ref, qe_ref, seen, win = _last_windows
