@@ -63,6 +63,7 @@ DENSE_SWEEP = [
 # configurations): the default (DK "auto"), each dk formulation, "slots" without the padding skip, and the previous
 # one-kernel backward (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
 BWD_VARIANTS = {"auto": {}, "slots": dict(DK="slots"), "dense": dict(DK="dense"),
+                "dense, triton dkv": dict(DK="dense", DENSE_DKV="triton"),
                 "slots, no padding skip": dict(DK="slots", SKIP_PAD=False), "one-kernel": "ONE_KERNEL_BWD_CONFIG"}
 PROB_SWEEP = [  # the KL target's head sums, one pass (the forward's lse given)
     dict(BLOCK_N=64, num_warps=8, num_stages=2),
@@ -144,7 +145,8 @@ def sweep(seq, reps, log, only=None):
         "bwd_dense": (DENSE_SWEEP, tsm.BWD_CONFIG, 2.5 * p.fwd_flop,
                       lambda cfg: tsm.sparse_mla_bwd(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
                                                      deterministic=False,
-                                                     config=dict(tsm.BWD_CONFIG, DK="dense", **cfg))),
+                                                     config=dict(tsm.BWD_CONFIG, DK="dense", DENSE_DKV="triton",
+                                                                 **cfg))),
         "prob": (PROB_SWEEP, triton_kl.PROB_CONFIG, None,  # the KL target's head sums, one pass
                  lambda cfg: triton_kl.head_summed_probs(p.q, p.kv, p.indices, p.scale, DV, attn_lse=lse, config=cfg)),
         "kl": (KL_SWEEP, triton_kl.KL_CONFIG, None,  # the fused indexer KL kernel, forward + gradients

@@ -64,6 +64,25 @@ def test_host_copy_of_a_device_tensor_and_the_planning_from_it():
     assert host_windows.host_copy(ks_dev) is ks_dev
 
 
+def test_the_indexer_leaves_its_row_bounds_for_the_sparse_backward():
+    """chunked_topk remembers each row's last window key (-1: empty window) under the top-k tensor it returns, as
+    long as that tensor is unmodified; an equal but different tensor has none."""
+    from megatron_glm5.ops.triton_indexer import chunked_topk
+
+    ks = torch.tensor([0, 0, 0, 3, 3, 5, 5, 5, 5, 9])
+    qe = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 4, 9])  # row 8 empty
+
+    def score_keys(c0, rows, lo, width, ks_, qe_, keys):  # any values: only the bounds are checked here
+        keys.copy_(torch.arange(width, dtype=torch.int64).expand(rows, width))
+
+    q, k, w = torch.zeros(10, 2, 4), torch.zeros(10, 4), torch.zeros(10, 2)
+    out = chunked_topk(q, k, w, 4, ks, qe, score_keys)
+    assert host_windows.row_ends(out).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, -1, 9]
+    assert host_windows.row_ends(out.clone()) is None
+    out[0, 0] = 1  # modified: the bounds may no longer hold
+    assert host_windows.row_ends(out) is None
+
+
 def _tiny_moe_run(monkeypatch, device_counts: bool):
     import megatron_glm5
     from megatron.core.transformer.moe import token_dispatcher

@@ -51,7 +51,8 @@ MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("p
                 ("cp", False, "slots"), ("packed", False, "dense"), ("empty_rows", True, "dense"),
                 ("empty_rows", False, "slots_no_skip"), ("cp", True, "slots_chunked"), ("cp", False, "dense_chunked"),
                 ("cp", True, "dense_chunked"), ("packed", True, "dense_chunked_split1"),
-                ("cp", False, "dense_chunked_split3")]
+                ("cp", False, "dense_chunked_split3"), ("empty_rows", False, "dense_host_bounds"),
+                ("cp", True, "dense_chunked_host_bounds")]
 # indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block); top-k 8 / 16 / 12 below, so
 # block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12)
 KL_MODES = [("packed", False, True, 16), ("packed", True, False, 8), ("cp", True, True, 8),
@@ -286,15 +287,21 @@ def test_gpu_sparse_mla_bwd_never_synchronises_with_the_host():
     formulation (torch's sync debug mode raises on one), and the results are those of the earlier runs."""
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
+    from megatron_glm5.ops import host_windows
+
     pr = gpu_sparse_problem("causal", seed=4)
     out, lse = tsm.sparse_mla_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV)
-    for det, cfg in ((False, None), (True, None), (True, dict(DK="slots")), (False, dict(DK="slots"))):
-        first = tsm.sparse_mla_bwd(pr.q, pr.kv, pr.idx, out, lse, pr.d_out, None, pr.scale, DV, deterministic=det,
+    # the same lists with the indexer's host row bounds (causal: row t's last key is t): cuBLAS dense products
+    bounded = pr.idx.clone()
+    host_windows.remember_row_ends(bounded, torch.arange(bounded.shape[0]))
+    for det, cfg, idx in ((False, None, pr.idx), (True, None, pr.idx), (True, dict(DK="slots"), pr.idx),
+                          (False, dict(DK="slots"), pr.idx), (False, None, bounded), (True, None, bounded)):
+        first = tsm.sparse_mla_bwd(pr.q, pr.kv, idx, out, lse, pr.d_out, None, pr.scale, DV, deterministic=det,
                                    config=cfg)  # compiles outside the checked region
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            again = tsm.sparse_mla_bwd(pr.q, pr.kv, pr.idx, out, lse, pr.d_out, None, pr.scale, DV,
+            again = tsm.sparse_mla_bwd(pr.q, pr.kv, idx, out, lse, pr.d_out, None, pr.scale, DV,
                                        deterministic=det, config=cfg)
         finally:
             torch.cuda.set_sync_debug_mode("default")

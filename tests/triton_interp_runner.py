@@ -25,7 +25,8 @@ MLA_VARIANTS = {"one_kernel": dict(DK="in_kernel", SKIP_PAD=False), "slots": dic
                 "dense": dict(DK="dense"), "slots_no_skip": dict(DK="slots", SKIP_PAD=False),
                 "slots_chunked": dict(DK="slots"), "dense_chunked": dict(DK="dense"),
                 "dense_chunked_split1": dict(DK="dense", DENSE_SPLIT=1),
-                "dense_chunked_split3": dict(DK="dense", DENSE_SPLIT=3)}
+                "dense_chunked_split3": dict(DK="dense", DENSE_SPLIT=3),
+                "dense_host_bounds": dict(DK="dense"), "dense_chunked_host_bounds": dict(DK="dense")}
 
 
 def run_mla(c):
@@ -43,7 +44,13 @@ def run_mla(c):
         if variant and "chunked" in variant:
             row = c["indices"].shape[1] * q.shape[-1] * 4
             triton_sparse_mla.DET_BUFFER_BYTES = triton_sparse_mla.PDS_BUFFER_BYTES = 3 * row
-        out, lse = triton_sparse_mla.sparse_mla(q, kv, c["indices"], c["scale"], c["d_v"], deterministic=det)
+        indices = c["indices"]
+        if variant and "host_bounds" in variant:  # as the indexer leaves them: loose bounds (+2) still hold
+            from megatron_glm5.ops import host_windows
+            indices = indices.clone()
+            bound = (indices.max(1).values.long() + 2).clamp(max=kv.shape[0] - 1)
+            host_windows.remember_row_ends(indices, torch.where(indices.max(1).values >= 0, bound, -1))
+        out, lse = triton_sparse_mla.sparse_mla(q, kv, indices, c["scale"], c["d_v"], deterministic=det)
         loss = (out * c["d_out"]).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * c["d_lse"]).sum()
         loss.backward()
         triton_sparse_mla.BWD_CONFIG.update(default)

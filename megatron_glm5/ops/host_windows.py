@@ -5,6 +5,8 @@ batch, the sequence length and, for packed documents, cu_seqlens. ``to_device`` 
 the host to the GPU through pinned memory without blocking the host and remembers the host tensor under the device
 tensor; ``host_copy`` gives that host tensor back (``reference.windows`` plans every kernel's chunks from it), or
 the tensor it was given when none is known (a device tensor then costs the one copy it always cost).
+``remember_row_ends`` / ``row_ends`` do the same for the per-row largest key of a top-k list that the indexer
+built from those windows.
 """
 from __future__ import annotations
 
@@ -50,3 +52,29 @@ def host_copy(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if ref() is not t or t._version != version:
         return t
     return host
+
+
+# per-row key bounds of top-k lists: id(indices) -> (weakref to it, its _version, host int64 [T] row_hi)
+_row_ends: dict = {}
+
+
+def remember_row_ends(indices: torch.Tensor, row_hi: torch.Tensor) -> None:
+    """Record that row t of ``indices`` (a top-k list on the GPU) holds no key above ``row_hi[t]`` (a host int64
+    [T]; -1 for a row without keys) -- the indexer knows this from the windows it planned with, so that the sparse
+    backward can size its dense products without reading the indices back (ops/triton_sparse_mla.py)."""
+    for key in [k for k, (ref, _, _) in _row_ends.items() if ref() is None]:
+        del _row_ends[key]
+    while len(_row_ends) >= _KEEP:
+        del _row_ends[next(iter(_row_ends))]
+    _row_ends[id(indices)] = (weakref.ref(indices), indices._version, row_hi)
+
+
+def row_ends(indices: torch.Tensor) -> Optional[torch.Tensor]:
+    """The host row bounds remembered for ``indices`` (alive and unmodified since), else None."""
+    entry = _row_ends.get(id(indices))
+    if entry is None:
+        return None
+    ref, version, row_hi = entry
+    if ref() is not indices or indices._version != version:
+        return None
+    return row_hi

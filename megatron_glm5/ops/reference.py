@@ -94,6 +94,11 @@ class _Windows:
         self._lo = torch.where(nonempty, ks, torch.full_like(ks, n_keys))
         self._hi = torch.where(nonempty, qe, torch.full_like(qe, -1))
 
+    @property
+    def row_hi(self) -> Tensor:
+        """Host int64 [T]: each query's last key (-1 for an empty window)."""
+        return self._hi
+
     def span(self, c0: int, c1: int) -> Tuple[int, int]:
         return int(self._lo[c0:c1].min()), int(self._hi[c0:c1].max())
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import triton_interpret_compat
+from . import host_windows, triton_interpret_compat
 from .reference import TOPK_DTYPE, windows
 
 triton_interpret_compat.apply()
@@ -113,6 +113,7 @@ def chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys):
             sel = torch.where(slot[None, :] < n_valid[c0:c0 + rows, None], pos, torch.full_like(pos, -1))
             out[c0:c0 + rows, :k] = sel.to(TOPK_DTYPE)
         c0 += rows
+    host_windows.remember_row_ends(out, win.row_hi)  # the sparse backward sizes its dense products from these
     return out
 
 

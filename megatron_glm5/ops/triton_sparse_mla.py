@@ -16,18 +16,23 @@ dK = dS^T Q (+ P^T dO on the latent part) are then formed one of three ways (BWD
     per (query, DK_BLOCK_S slots), contracts all heads in one product (M = slots, K = heads, N = 576 in DK_BLOCK_C
     columns) -- one dkv row per (query, slot) instead of one per (query, head group, slot);
   * "dense": kernel 1 scatters p and ds into zeroed [key, query x head] matrices (a query's keys are distinct: each
-    entry is written once) and ``_dense_dkv_kernel`` multiplies them with Q and dO (fp32 accumulation) -- no
-    atomics, but every key below the chunk's largest index is multiplied, selected or not.  It is launched over
-    all n_keys and reads the chunk's largest index on the device (key blocks past it exit), and it zeroes the
-    tiles it read, so the buffer is zeroed once per call, not per chunk;
+    entry is written once), multiplied with Q and dO with fp32 accumulation -- no atomics, but every key below the
+    chunk's key end is multiplied, selected or not.  When the indexer that made ``indices`` left their per-row key
+    bounds on the host (``host_windows.row_ends``: the windows it planned with), each chunk's key end is known on
+    the host and the products are two cuBLAS GEMMs over exactly those keys (``_dense_dkv_mm``).  Otherwise (top-k
+    lists from elsewhere, or BWD_CONFIG DENSE_DKV "triton") ``_dense_dkv_kernel`` does them: launched over all
+    n_keys, it reads the chunk's largest index on the device (key blocks past it exit) and zeroes the tiles it
+    read, so the buffer is zeroed once per call;
   * "in_kernel": the earlier one-kernel backward (ONE_KERNEL_BWD_CONFIG), the products per head group inside
     kernel 1.
 "auto" (the default) takes "dense" where n_keys / topk is small enough (DENSE_KEY_RATIO: S 4096 causal), else
-"slots".  The planning uses host-known sizes only (n_q, n_keys, topk): no host synchronisation in the backward.  Summing the contributions of different queries ("slots", "in_kernel"):
+"slots".  The planning uses host-known values only (n_q, n_keys, topk, the indexer's row bounds): no host
+synchronisation in the backward.  Summing the contributions of different queries ("slots", "in_kernel"):
   * "atomic": fp32 atomic adds straight into dkv -- fast, summation order (and so the last bits) not reproducible;
   * "deterministic": contributions of a query chunk are written to a [chunk * rows, D] fp32 buffer, the chunk's
     rows are stably sorted by key, and a segmented-sum kernel (one program per key, its rows found by a binary
-    search in the sorted keys) adds each key's rows in that fixed order; chunks are added in order.  Bitwise reproducible.  "dense" is reproducible in both modes (GEMMs, chunks in order).
+    search in the sorted keys) adds each key's rows in that fixed order; chunks are added in order.  Bitwise
+    reproducible.  "dense" is reproducible in both modes (GEMMs, chunks in order).
 Choose with ``deterministic=`` or the env var GLM5_TRITON_DETERMINISTIC (1 / 0).  Default: atomic.  H200
 (docs/design.md, "The Triton sparse-MLA backward"): S 4096 11.1 ms either mode (the one-kernel backward 29.3 /
 50.5), S 32768 154 atomic / 232 deterministic (277 / 465).
@@ -64,8 +69,8 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import triton_interpret_compat
-from .base import sparse_mla_autograd
+from . import host_windows, triton_interpret_compat
+from .base import sparse_mla_autograd, warn_once
 
 triton_interpret_compat.apply()
 
@@ -84,8 +89,10 @@ FWD_CONFIG = dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2)
 # products left the kernel (213 KB at BLOCK_N 64, one stage)
 BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", SKIP_PAD=True,
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
-                  DENSE_BLOCK_K=128, DENSE_BLOCK_C=128, DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8,
-                  DENSE_num_stages=3)
+                  DENSE_DKV="auto", DENSE_BLOCK_K=128, DENSE_BLOCK_C=128, DENSE_BLOCK_J=64, DENSE_SPLIT=2,
+                  DENSE_num_warps=8, DENSE_num_stages=3)
+# DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
+# _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_*: the kernel's block shape.
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
@@ -540,6 +547,46 @@ def _chunk_rows(n_q: int, per_row_bytes: int, budget: int) -> int:
     return max(1, min(n_q, budget // max(1, per_row_bytes)))
 
 
+def _dense_dkv_mm(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v):
+    """dkv[:kc] += dS^T Q + (P^T dO on the latent part) for one query chunk whose keys are all below kc (known on
+    the host), from the [kc, n * h] matrices that _bwd_kernel (DK_MODE 2) scattered: two cuBLAS GEMMs contracting
+    (query, head), fp32 results."""
+    ds = pds[:kc * n * h].view(kc, n * h)
+    p = pds[p_off:p_off + kc * n * h].view(kc, n * h)
+    qc = q[t0:t0 + n].reshape(n * h, -1)
+    doc = d_out[t0:t0 + n].reshape(n * h, -1)
+    dkv[:kc] += _mm_fp32(ds, qc)
+    dkv[:kc, :d_v] += _mm_fp32(p, doc)
+
+
+@functools.lru_cache(maxsize=None)
+def _mm_has_out_dtype(dtype: torch.dtype) -> bool:
+    """Whether this torch's torch.mm takes out_dtype=float32 for 16-bit CUDA operands (probed once per dtype on a
+    16 x 16 product; a torch without it is said once in the log, and the slower fp32 copies are used)."""
+    x = torch.ones(16, 16, dtype=dtype, device="cuda")
+    try:
+        torch.mm(x, x, out_dtype=torch.float32)
+        return True
+    except (TypeError, RuntimeError) as e:
+        warn_once("triton", f"torch.mm has no out_dtype=float32 for {dtype} here ({type(e).__name__}); the dense "
+                  f"dkv products run on fp32 copies of their operands", "fp32 matmuls")
+        return False
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result: bf16 / fp16 operands on a GPU through torch.mm's out_dtype (fp32 accumulation,
+    no rounding of the product to 16 bits); fp32 copies otherwise."""
+    if a.dtype != torch.float32 and a.is_cuda and _mm_has_out_dtype(a.dtype):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _host_chunk_key_ends(row_hi: torch.Tensor, starts, rows: int, n_keys: int) -> list:
+    """Per query chunk: one past the largest key its rows may select, from the indexer's host row bounds."""
+    hi = row_hi.reshape(-1).to(torch.int64).clamp(-1, n_keys - 1)
+    return [int(hi[t0:t0 + rows].max()) + 1 for t0 in starts]
+
+
 def _dense_dkv(dkv, pds, p_off, key_ends, chunk, n, h, q, d_out, t0, d_v, cfg):
     """dkv[:key end] += dS^T Q + (P^T dO on the latent part) for one query chunk, from the [key, n * h] matrices
     that _bwd_kernel (DK_MODE 2) scattered into the zeroed buffer pds: _dense_dkv_kernel, launched over all n_keys
@@ -589,6 +636,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
     head_sums: a contiguous fp32 [T, topk] tensor that kernel 1 fills, in full, with the indexer KL target's head
     sums (``triton_kl.head_summed_probs``'s result for the forward's lse), from the p it recomputes anyway."""
     d_rope = _check(q, kv, indices, d_v)
+    row_hi = host_windows.row_ends(indices)  # the indexer's host bounds of these top-k lists, when it made them
     cfg = dict(BWD_CONFIG, **(config or {}))
     det = deterministic_default() if deterministic is None else bool(deterministic)
     q, kv, indices = q.contiguous(), kv.contiguous(), indices.contiguous()
@@ -637,8 +685,13 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         buf = torch.empty(rows * det_row // 4, dtype=torch.float32, device=q.device) if det_rows else dkv
         p_off = 0
         key_ends = delta  # an unused pointer outside "dense"
+        host_ends = None  # "dense" with the indexer's host row bounds: the chunks' key ends, cuBLAS products
         if mode == "slots":
             pds = torch.empty(rows * 2 * topk * hp, dtype=q.dtype, device=q.device)
+        elif mode == "dense" and row_hi is not None and cfg.get("DENSE_DKV", "auto") == "auto":
+            host_ends = _host_chunk_key_ends(row_hi, starts, rows, n_keys)
+            p_off = max(host_ends) * rows * h
+            pds = torch.empty(max(1, 2 * p_off), dtype=q.dtype, device=q.device)
         elif mode == "dense":
             # zeroed once: each chunk's dkv kernel zeroes the tiles it read (the scattered entries) again
             p_off = n_keys * rows * h
@@ -653,6 +706,9 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         try:
             for i, t0 in enumerate(starts):
                 n = min(rows, n_q - t0)
+                if host_ends is not None:  # kernel 1 scatters below the chunk's key end only
+                    pds[:host_ends[i] * n * h].zero_()
+                    pds[p_off:p_off + host_ends[i] * n * h].zero_()
                 _bwd_kernel[(n, h_split)](
                     q, kv, indices, d_out, lse, delta, dq, dkv, buf, pds, ends_arg, hs,
                     q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), d_out.stride(0), d_out.stride(1),
@@ -671,7 +727,9 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
                         ATOMIC=not det, IEEE=q.dtype == torch.float32,
                         num_warps=cfg["DK_num_warps"], num_stages=cfg["DK_num_stages"],
                     )
-                elif mode == "dense":
+                elif host_ends is not None and host_ends[i] > 0:
+                    _dense_dkv_mm(dkv, pds, p_off, host_ends[i], n, h, q, d_out, t0, d_v)
+                elif mode == "dense" and host_ends is None:
                     _dense_dkv(dkv, pds, p_off, key_ends, i, n, h, q, d_out, t0, d_v, cfg)
                 if det_rows:
                     _segment_reduce_into(dkv, buf, indices[t0:t0 + n], 1 if mode == "slots" else h_split)
