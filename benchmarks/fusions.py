@@ -119,8 +119,21 @@ def bench_cross_entropy(tokens, hidden, vocab, warmup, reps):
         loss.sum().backward()
         return loss
 
+    impls = [("unfused", unfused), ("chunked", chunked)]
+    try:  # the peer, when installed: Liger's fused linear + cross entropy (token slices, bf16 / fp32 accumulators)
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        LigerFusedLinearCrossEntropyLoss = None
+    for accum in ((None, torch.float32) if LigerFusedLinearCrossEntropyLoss is not None else ()):
+        liger_loss = LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=accum)
+
+        def liger(liger_loss=liger_loss):
+            loss = liger_loss(wt, h.view(tokens, hidden), labels.view(tokens))
+            loss.backward()
+            return loss.reshape(1) / tokens
+        impls.append((f"liger_{'fp32' if accum else 'bf16'}_accum", liger))
     res = {"tokens": tokens, "hidden": hidden, "vocab": vocab}
-    for name, fn in (("unfused", unfused), ("chunked", chunked)):
+    for name, fn in impls:
         refill()
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -130,17 +143,19 @@ def bench_cross_entropy(tokens, hidden, vocab, warmup, reps):
         res[f"{name}_peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         res[f"{name}_loss_mean"] = float(loss.float().mean())
         res[f"{name}_ms"] = timed(fn, refill, warmup, reps)
-    # the gradients of both on the same inputs
+    # each one's gradients against the unfused path's, on the same inputs
     refill()
     inputs = h.detach().clone(), wt.detach().clone()
     unfused()
     g_ref = h.grad.float(), wt.grad.float()
-    with torch.no_grad():
-        h.copy_(inputs[0])
-        wt.copy_(inputs[1])
-    h.grad = wt.grad = None
-    chunked()
-    res["grad_rel_diff"] = [float((a - b.grad.float()).norm() / a.norm()) for a, b in zip(g_ref, (h, wt))]
+    for name, fn in impls[1:]:
+        with torch.no_grad():
+            h.copy_(inputs[0])
+            wt.copy_(inputs[1])
+        h.grad = wt.grad = None
+        fn()
+        res[f"{name}_grad_rel_diff"] = [float((a - b.grad.float()).norm() / a.norm()) for a, b in zip(g_ref, (h, wt))]
+    res["grad_rel_diff"] = res["chunked_grad_rel_diff"]
     del h, wt, labels
     torch.cuda.empty_cache()
     return res

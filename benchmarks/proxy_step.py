@@ -48,15 +48,18 @@ class _Timer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
+    """CUDA events around the step (ms), and host_ms: how long the host took to issue it (to the end of the
+    step's Python code, before waiting for the GPU) -- close to ms when the step is bound by the host."""
+
     def __enter__(self):
+        self.t0 = time.perf_counter()
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record()
-        else:
-            self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
+        self.host_ms = (time.perf_counter() - self.t0) * 1e3
         if self.cuda:
             self.end.record()
             torch.cuda.synchronize()
@@ -276,7 +279,7 @@ def run(name, build, step, cfg, args, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     model = build()
     gen = torch.Generator(device="cpu").manual_seed(1)
-    times, losses = [], []
+    times, host_times, losses = [], [], []
     for i in range(args.warmup + args.steps):
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen).to(device)
         with _Timer(device) as t:
@@ -284,6 +287,7 @@ def run(name, build, step, cfg, args, device) -> dict:
         losses.append(float(loss.detach()))
         if i >= args.warmup:
             times.append(t.ms)
+            host_times.append(t.host_ms)
         for p in model.parameters():
             p.grad = None
         if hasattr(model, "zero_grad_buffer"):
@@ -294,7 +298,8 @@ def run(name, build, step, cfg, args, device) -> dict:
     syncs = _sync_sites(model, step, cfg, args, device, gen) if args.sync_debug and device.type == "cuda" else None
     tokens = args.batch * args.seq
     flops = training_flops_per_token(cfg, args.seq, sparse=True) * tokens
-    res = {"impl": name, "ms_per_step": ms, "tokens_per_s": tokens / (ms / 1e3),
+    res = {"impl": name, "ms_per_step": ms, "host_ms_per_step": statistics.median(host_times),
+           "tokens_per_s": tokens / (ms / 1e3),
            "model_tflops": flops / (ms / 1e3) / 1e12, "losses": losses,
            "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None}
     if args.peak_tflops:
@@ -375,6 +380,8 @@ def main(argv=None) -> int:
     for r in results:
         if base is not None and r is not base:
             print(f"speed-up {base['ms_per_step'] / r['ms_per_step']:.2f}x ({r['impl']} vs transformers)")
+    for r in results:
+        print(f"host time to issue a step: {r['impl']} {r['host_ms_per_step']:.1f} ms of {r['ms_per_step']:.1f}")
     for r in results:
         if "sync_sites" in r:
             print(f"\n== host-GPU synchronisations: {r['impl']} (one step; count, innermost frames) ==")
