@@ -15,8 +15,33 @@ from typing import Optional
 
 import torch
 
-_KEEP = 16  # remembered pairs (a forward uses two; pipeline micro-batches and recomputation a few more)
-_known: dict = {}  # id(device tensor) -> (weakref to it, its _version when stored, host tensor)
+_KEEP = 16  # remembered tensors per kind (a forward uses two windows; micro-batches and recomputation a few more)
+
+
+class _HostFacts:
+    """Host values remembered under GPU tensors: valid while that very tensor is alive and unmodified (a weak
+    reference and its ``_version``), at most _KEEP of them, the oldest dropped first."""
+
+    def __init__(self):
+        self._known: dict = {}  # id(tensor) -> (weakref to it, its _version when stored, host value)
+
+    def put(self, t: torch.Tensor, value) -> None:
+        for key in [k for k, (ref, _, _) in self._known.items() if ref() is None]:
+            del self._known[key]
+        while len(self._known) >= _KEEP:
+            del self._known[next(iter(self._known))]
+        self._known[id(t)] = (weakref.ref(t), t._version, value)
+
+    def get(self, t: torch.Tensor):
+        entry = self._known.get(id(t))
+        if entry is None:
+            return None
+        ref, version, value = entry
+        return value if ref() is t and t._version == version else None
+
+
+_copies = _HostFacts()  # a device tensor -> the host tensor holding its values
+_row_ends = _HostFacts()  # a top-k list -> each row's largest possible key (host int64 [T], -1: no keys)
 
 
 def to_device(host: torch.Tensor, device) -> torch.Tensor:
@@ -34,47 +59,24 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
 
 def remember(device_tensor: torch.Tensor, host: torch.Tensor) -> None:
     """Record that ``host`` holds the values of ``device_tensor`` (as long as it is alive and unmodified)."""
-    for key in [k for k, (ref, _, _) in _known.items() if ref() is None]:
-        del _known[key]
-    while len(_known) >= _KEEP:
-        del _known[next(iter(_known))]
-    _known[id(device_tensor)] = (weakref.ref(device_tensor), device_tensor._version, host)
+    _copies.put(device_tensor, host)
 
 
 def host_copy(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """The remembered host tensor of ``t``, else ``t`` itself (also for CPU tensors and None)."""
     if not isinstance(t, torch.Tensor) or t.device.type == "cpu":
         return t
-    entry = _known.get(id(t))
-    if entry is None:
-        return t
-    ref, version, host = entry
-    if ref() is not t or t._version != version:
-        return t
-    return host
-
-
-# per-row key bounds of top-k lists: id(indices) -> (weakref to it, its _version, host int64 [T] row_hi)
-_row_ends: dict = {}
+    host = _copies.get(t)
+    return t if host is None else host
 
 
 def remember_row_ends(indices: torch.Tensor, row_hi: torch.Tensor) -> None:
-    """Record that row t of ``indices`` (a top-k list on the GPU) holds no key above ``row_hi[t]`` (a host int64
-    [T]; -1 for a row without keys) -- the indexer knows this from the windows it planned with, so that the sparse
-    backward can size its dense products without reading the indices back (ops/triton_sparse_mla.py)."""
-    for key in [k for k, (ref, _, _) in _row_ends.items() if ref() is None]:
-        del _row_ends[key]
-    while len(_row_ends) >= _KEEP:
-        del _row_ends[next(iter(_row_ends))]
-    _row_ends[id(indices)] = (weakref.ref(indices), indices._version, row_hi)
+    """Record that row t of ``indices`` (a top-k list) holds no key above ``row_hi[t]`` (a host int64 [T]; -1 for
+    a row without keys) -- the indexer knows this from the windows it planned with, so that the sparse backward
+    can size its dense products without reading the indices back (ops/triton_sparse_mla.py)."""
+    _row_ends.put(indices, row_hi)
 
 
 def row_ends(indices: torch.Tensor) -> Optional[torch.Tensor]:
     """The host row bounds remembered for ``indices`` (alive and unmodified since), else None."""
-    entry = _row_ends.get(id(indices))
-    if entry is None:
-        return None
-    ref, version, row_hi = entry
-    if ref() is not indices or indices._version != version:
-        return None
-    return row_hi
+    return _row_ends.get(indices)
