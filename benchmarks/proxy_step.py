@@ -53,16 +53,26 @@ class _Timer:
 
     def __enter__(self):
         self.t0 = time.perf_counter()
+        self.mid = self.host_mid = None
         if self.cuda:
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.start.record()
         return self
+
+    def mark(self):
+        """Between the forward and the backward: fwd_ms / bwd_ms (GPU) and host_fwd_ms (host) split at it."""
+        self.host_mid = (time.perf_counter() - self.t0) * 1e3
+        if self.cuda:
+            self.mid = torch.cuda.Event(enable_timing=True)
+            self.mid.record()
 
     def __exit__(self, *exc):
         self.host_ms = (time.perf_counter() - self.t0) * 1e3
         if self.cuda:
             self.end.record()
             torch.cuda.synchronize()
+            if self.mid is not None:
+                self.fwd_ms, self.bwd_ms = self.start.elapsed_time(self.mid), self.mid.elapsed_time(self.end)
             self.ms = self.start.elapsed_time(self.end)
         else:
             self.ms = (time.perf_counter() - self.t0) * 1e3
@@ -87,8 +97,10 @@ def build_ours(cfg: GLM5Config, dtype, device, attn: str, indexer_loss_coeff: fl
     return model.to(device).train()
 
 
-def step_ours(model, ids):
+def step_ours(model, ids, mark=None):
     loss = model(ids[:, :-1], labels=ids[:, 1:]).float().mean()
+    if mark is not None:
+        mark()
     loss.backward()
     return loss
 
@@ -102,8 +114,10 @@ def build_transformers(cfg: GLM5Config, dtype, device):
     return model.train()
 
 
-def step_transformers(model, ids):
+def step_transformers(model, ids, mark=None):
     out = model(input_ids=ids[:, :-1], labels=ids[:, 1:])
+    if mark is not None:
+        mark()
     out.loss.backward()
     return out.loss
 
@@ -190,12 +204,18 @@ def _profile(model, step, cfg, args, device, gen):
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen).to(device)
+    if args.manual_gc:
+        gc.collect()
+        gc.disable()
     with profile(activities=acts, with_stack=args.profile_sites) as prof:
         step(model, ids)
         if device.type == "cuda":
             torch.cuda.synchronize()
+    gc.enable()
     for p in model.parameters():
         p.grad = None
+    if args.trace:  # the profiled step's timeline (chrome://tracing, Perfetto), one file per impl
+        prof.export_chrome_trace(str(Path(args.trace) / f"trace_{args.current_impl.replace('/', '_')}.json.gz"))
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=70)
     if args.profile_sites:
@@ -279,19 +299,27 @@ def run(name, build, step, cfg, args, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
     model = build()
     gen = torch.Generator(device="cpu").manual_seed(1)
-    times, host_times, losses = [], [], []
+    times, host_times, losses, phases = [], [], [], []
+    if args.manual_gc:  # Python's cyclic collector only between steps (outside the timing)
+        gc.disable()
     for i in range(args.warmup + args.steps):
+        if args.manual_gc:
+            gc.collect()
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=gen).to(device)
         with _Timer(device) as t:
-            loss = step(model, ids)
+            loss = step(model, ids, mark=t.mark)
         losses.append(float(loss.detach()))
         if i >= args.warmup:
             times.append(t.ms)
             host_times.append(t.host_ms)
+            if device.type == "cuda":
+                phases.append((t.fwd_ms, t.bwd_ms, t.host_mid, t.host_ms - t.host_mid))
         for p in model.parameters():
             p.grad = None
         if hasattr(model, "zero_grad_buffer"):
             model.zero_grad_buffer()
+    if args.manual_gc:
+        gc.enable()
     ms = statistics.median(times)
     profile, categories, busy = (_profile(model, step, cfg, args, device, gen) if args.profile
                                  else (None, None, None))
@@ -299,6 +327,8 @@ def run(name, build, step, cfg, args, device) -> dict:
     tokens = args.batch * args.seq
     flops = training_flops_per_token(cfg, args.seq, sparse=True) * tokens
     res = {"impl": name, "ms_per_step": ms, "host_ms_per_step": statistics.median(host_times),
+           "phases_ms": dict(zip(("gpu_fwd", "gpu_bwd", "host_fwd", "host_bwd"),
+                                 (statistics.median(x) for x in zip(*phases)))) if phases else None,
            "tokens_per_s": tokens / (ms / 1e3),
            "model_tflops": flops / (ms / 1e3) / 1e12, "losses": losses,
            "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if device.type == "cuda" else None}
@@ -343,6 +373,10 @@ def main(argv=None) -> int:
                    help="after timing, profile one more step of each impl and print its N most expensive ops")
     p.add_argument("--profile-sites", action="store_true",
                    help="with --profile: also list the elementwise / copy ops by the source line that called them")
+    p.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector off during the timed steps, one collection before each step")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="with --profile: write the profiled step's timeline to DIR/trace_<impl>.json.gz")
     p.add_argument("--sync-debug", action="store_true",
                    help="after timing, list where one more step of each impl synchronises the host with the GPU")
     args = p.parse_args(argv)
@@ -365,6 +399,7 @@ def main(argv=None) -> int:
     results = []
     for name in names:
         build, step = builders[name]
+        args.current_impl = name
         results.append(run(name, build, step, cfg, args, device))
         if args.json:  # after each impl: a later one that fails leaves the earlier results
             Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
@@ -382,6 +417,9 @@ def main(argv=None) -> int:
             print(f"speed-up {base['ms_per_step'] / r['ms_per_step']:.2f}x ({r['impl']} vs transformers)")
     for r in results:
         print(f"host time to issue a step: {r['impl']} {r['host_ms_per_step']:.1f} ms of {r['ms_per_step']:.1f}")
+        if r.get("phases_ms"):
+            print("  forward / backward: GPU {gpu_fwd:.1f} / {gpu_bwd:.1f} ms, host {host_fwd:.1f} / {host_bwd:.1f} ms"
+                  .format(**r["phases_ms"]))
     for r in results:
         if "sync_sites" in r:
             print(f"\n== host-GPU synchronisations: {r['impl']} (one step; count, innermost frames) ==")

@@ -74,6 +74,36 @@ def test_deferred_kl_step_equals_forward_time_kl(interp):
 
 
 
+def test_the_job_is_freed_without_the_cyclic_collector():
+    """After the backward, nothing keeps the deferred-KL job alive: freed by reference counting alone (the job ->
+    token -> autograd node -> job cycle is broken in the backward), with Python's collector off."""
+    import gc
+    import weakref
+
+    from megatron_glm5.ops.deferred_kl import DeferredIndexerKL
+
+    q_idx, k_idx, w = (torch.randn(4, 2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True),
+                       torch.randn(4, 2, requires_grad=True))
+    q = torch.randn(4, 2, 5, requires_grad=True)
+    indices = torch.zeros(4, 2, dtype=torch.int32)
+
+    def kl_grads(qi, ki, wt, idx, head_sums):  # a stand-in for the backend's kernel: value, count, gradients
+        return head_sums.sum(), torch.tensor(4), torch.ones_like(qi), torch.ones_like(ki), torch.ones_like(wt)
+
+    gc.disable()
+    try:
+        job = DeferredIndexerKL(q_idx, k_idx, w, indices, kl_grads, per_token=False)
+        loss = job.order(q).sum() + 2.0 * job.token
+        job.receive(torch.ones(4, 2))  # as the sparse-MLA backward would, before the token's backward
+        loss.backward()
+        assert torch.equal(q_idx.grad, torch.full_like(q_idx, 0.5))  # 2 x the ones / the 4 counted tokens
+        ref = weakref.ref(job)
+        del job, loss
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_defer_kl_setting(monkeypatch):
     """GLM5_TRITON_DEFER_KL, read when asked: 1 deferred, 0 / unset forward-time, the constructor's value wins; a
     bad value is one line naming the variable and its two values (docs/bad_input.md)."""
