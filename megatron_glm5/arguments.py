@@ -48,6 +48,7 @@ from megatron_glm5.sample_limits import MAX_SAMPLE_BYTES  # stdlib-only module
 from megatron_glm5.errors import FlagError, UserError
 from megatron_glm5.training import memory_options  # stdlib-only module: the memory options' flags and checks
 from megatron_glm5.training import muon_flags  # stdlib-only module: the Muon flags and checks
+from megatron_glm5.training import manual_gc  # stdlib-only module: --manual-gc
 from megatron_glm5.lora import flags as lora_flags  # stdlib-only module: the LoRA flags and checks
 from megatron_glm5.fp8 import flags as fp8_flags  # stdlib-only module: --base-precision and its checks
 from megatron_glm5.model import cross_entropy_flags  # stdlib-only module: --cross-entropy-fusion
@@ -434,6 +435,7 @@ def build_parser(mode: str = "finetune") -> argparse.ArgumentParser:
                    help="YAML mapping of flag: value used as defaults (command-line flags override it)")
     memory_options.add_flags(p)
     muon_flags.add_flags(p)
+    manual_gc.add_flags(p)
     lora_flags.add_flags(p)
     fp8_flags.add_flags(p)
     cross_entropy_flags.add_flags(p)
@@ -1247,6 +1249,7 @@ def derive_args(args: argparse.Namespace, world_size: Optional[int] = None,
     d.update(_check_data(args))
     d.update(_check_checkpoints_and_logging(args, cuda))
     muon_flags.check(args)
+    manual_gc.check(args)
     d.update(lora_flags.check(args, d))
     d.update(fp8_flags.check(args, d["model_config"], cuda, check_device))
     return DerivedArgs(**d)

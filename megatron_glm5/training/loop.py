@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_glm5 import platform
-from megatron_glm5.training import fault_hooks, memory_options, muon_flags, numerics
+from megatron_glm5.training import fault_hooks, manual_gc, memory_options, muon_flags, numerics
 from megatron_glm5.training.device import current_device
 from megatron_glm5.training.metrics import StepLogger, TrainingMetrics, check_tensorboard_dir
 
@@ -343,12 +343,15 @@ def _train(args, session: "_Session") -> int:
             _log_summary(args, summary, time.time() - start_time)
         return 0
 
+    collector = manual_gc.ManualGC(args.manual_gc, args.manual_gc_interval)  # --manual-gc
     saver = checkpointing.CheckpointSaver(args)  # logs "saved checkpoint ..." once a checkpoint is complete
 
     def save(it):
+        collector.before_sync_point()
         saver.save(it, [m.module for m in model], optimizer, scheduler, {"consumed_train": train_stream.consumed})
 
     def run_eval(it):
+        collector.before_sync_point()
         session.beat(it, "eval")
         loss = evaluate(args, model, valid)
         logger.eval(it, loss)
@@ -359,46 +362,51 @@ def _train(args, session: "_Session") -> int:
     for m in model:
         m.train()
     exit_code = 0
-    while iteration < args.train_iters:
-        t0 = time.time()
-        for m in model:
-            m.zero_grad_buffer()
-        optimizer.zero_grad()
-        metrics.before_step()
-        faults.start_step(iteration + 1)
-        session.beat(iteration + 1, "step")
-        outputs = _run_microbatches(args, model, train_stream, forward_only=False,
-                                    num_microbatches=args.num_microbatches)
-        faults.after_backward(model)
-        guard.note_loss(iteration + 1, outputs)
-        step_lr = optimizer.param_groups[0]["lr"]  # what this update uses (logged: the scheduler moves it on below)
-        ok, grad_norm, _ = optimizer.step()
-        if ok:  # the LR schedule follows applied updates; a skipped step still consumed its data
-            scheduler.step(increment=args.global_batch_size)
-        iteration += 1
-        summary.note_iteration(iteration)
-        lm_loss = _reduce_lm_loss(outputs) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
-        logger.loss_spike(iteration, lm_loss, spikes.update(iteration, lm_loss))
-        logger.step(iteration, lm_loss, grad_norm, ok, time.time() - t0, optimizer, lr=step_lr)
-        saver.poll()  # --async-save: finalize a checkpoint whose files are written
-        guard.after_step(iteration, ok)  # raises after --max-skipped-steps skips in a row
+    collector.start()
+    try:
+        while iteration < args.train_iters:
+            t0 = time.time()
+            for m in model:
+                m.zero_grad_buffer()
+            optimizer.zero_grad()
+            metrics.before_step()
+            faults.start_step(iteration + 1)
+            session.beat(iteration + 1, "step")
+            outputs = _run_microbatches(args, model, train_stream, forward_only=False,
+                                        num_microbatches=args.num_microbatches)
+            faults.after_backward(model)
+            guard.note_loss(iteration + 1, outputs)
+            step_lr = optimizer.param_groups[0]["lr"]  # what this update uses (logged: the scheduler moves it on below)
+            ok, grad_norm, _ = optimizer.step()
+            if ok:  # the LR schedule follows applied updates; a skipped step still consumed its data
+                scheduler.step(increment=args.global_batch_size)
+            iteration += 1
+            summary.note_iteration(iteration)
+            lm_loss = _reduce_lm_loss(outputs) if ps.is_pipeline_last_stage(ignore_virtual=True) else None
+            logger.loss_spike(iteration, lm_loss, spikes.update(iteration, lm_loss))
+            logger.step(iteration, lm_loss, grad_norm, ok, time.time() - t0, optimizer, lr=step_lr)
+            collector.after_step(iteration)
+            saver.poll()  # --async-save: finalize a checkpoint whose files are written
+            guard.after_step(iteration, ok)  # raises after --max-skipped-steps skips in a row
 
-        if args.eval_interval and valid is not None and iteration % args.eval_interval == 0:
-            run_eval(iteration)
-        stop = exit_signal.any_rank()
-        if args.exit_interval and iteration % args.exit_interval == 0:
-            stop = True
-        if args.exit_duration_in_mins:
-            elapsed = torch.tensor([(time.time() - start_time) / 60], device=current_device())
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            stop = stop or elapsed.item() > args.exit_duration_in_mins
-        if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)
-                          or iteration == args.train_iters):
-            session.beat(iteration, "save")
-            save(iteration)
-        if stop:
-            log.info("exiting at iteration %d", iteration)
-            break
+            if args.eval_interval and valid is not None and iteration % args.eval_interval == 0:
+                run_eval(iteration)
+            stop = exit_signal.any_rank()
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                stop = True
+            if args.exit_duration_in_mins:
+                elapsed = torch.tensor([(time.time() - start_time) / 60], device=current_device())
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                stop = stop or elapsed.item() > args.exit_duration_in_mins
+            if args.save and (stop or (args.save_interval and iteration % args.save_interval == 0)
+                              or iteration == args.train_iters):
+                session.beat(iteration, "save")
+                save(iteration)
+            if stop:
+                log.info("exiting at iteration %d", iteration)
+                break
+    finally:
+        collector.stop()
     session.beat(iteration, "save")
     saver.wait()  # --async-save: the pending checkpoint completes before exit
     if valid is not None and iteration == args.train_iters and args.eval_interval and iteration % args.eval_interval:
