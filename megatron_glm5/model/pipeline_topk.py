@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_glm5.errors import UserError
+from megatron_glm5.ops import host_windows
 from megatron_glm5.ops.reference import TOPK_DTYPE  # senders cast to it: the receiver allocates it unseen
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,6 +220,11 @@ def receive(inputs, key, index_topk: int) -> None:
     topk = torch.empty(inputs.num_tokens, inputs.topk_width(index_topk), dtype=TOPK_DTYPE,
                        device=inputs.key_start.device)
     dist.recv(topk, src=links.recv_src, group=links.recv_group)
+    # the sender's indexer chose from the same windows: no row holds a key past its query_end, which the sparse
+    # backward may use to size its dense products without reading the top-k back (ops/host_windows.py)
+    query_end = host_windows.host_copy(inputs.query_end)
+    if query_end.device.type == "cpu":
+        host_windows.remember_row_ends(topk, query_end)
     inputs.topk_store[key] = topk
 
 
