@@ -63,7 +63,7 @@ DENSE_SWEEP = [
 # configurations): the default (DK "auto"), each dk formulation, "slots" without the padding skip, and the previous
 # one-kernel backward (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
 BWD_VARIANTS = {"auto": {}, "slots": dict(DK="slots"), "dense": dict(DK="dense"),
-                "dense, triton dkv": dict(DK="dense", DENSE_DKV="triton"),
+                "dense-triton-dkv": dict(DK="dense", DENSE_DKV="triton"),
                 "slots, no padding skip": dict(DK="slots", SKIP_PAD=False), "one-kernel": "ONE_KERNEL_BWD_CONFIG"}
 PROB_SWEEP = [  # the KL target's head sums, one pass (the forward's lse given)
     dict(BLOCK_N=64, num_warps=8, num_stages=2),

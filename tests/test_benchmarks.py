@@ -16,13 +16,15 @@ REPO = Path(__file__).resolve().parents[1]
 def test_proxy_step_benchmark_runs_both_implementations(tmp_path):
     out = tmp_path / "proxy.json"
     cmd = [sys.executable, str(REPO / "benchmarks/proxy_step.py"), "--preset", "tiny", "--layers", "2", "--dense", "1",
-           "--seq", "64", "--steps", "2", "--warmup", "1", "--attn", "torch", "--device", "cpu", "--json", str(out), "--profile", "5"]
+           "--seq", "64", "--steps", "2", "--warmup", "1", "--attn", "torch", "--device", "cpu", "--json", str(out), "--profile", "5",
+           "--manual-gc", "--trace", str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "speed-up" in r.stdout
     assert r.stdout.count("== profile:") == 2 and "aten::" in r.stdout  # the --profile tables of both
     res = {x["impl"]: x for x in json.loads(out.read_text())["results"]}
     assert set(res) == {"ours", "transformers"}
+    assert (tmp_path / "trace_ours.json.gz").stat().st_size > 0 and (tmp_path / "trace_transformers.json.gz").exists()
     ln_vocab = math.log(GLM5Config.from_preset("tiny").vocab_size)
     for impl, x in res.items():
         assert x["ms_per_step"] > 0 and x["tokens_per_s"] > 0
@@ -66,3 +68,26 @@ def test_tilelang_examples_folder_is_checked_before_use(tmp_path):
         peer_tilelang.load_examples(str(tmp_path))
     assert "--tilelang-examples" in str(e.value) and "sparse_mla_bwd.py" in str(e.value)
     assert "sparse_mla_fwd.py" not in str(e.value).split("missing")[1]
+
+
+def test_trace_gaps_finds_the_idle_gpu_time_and_who_issued_late(tmp_path):
+    """A hand-made trace: kernels A [0, 10), B [15, 20) launched at 5 (early: the GPU was busy), C [30, 40)
+    launched at 25 inside host op "slow_op" (late: the GPU drained at 20), so 5 + 10 us of gaps, 10 late."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import trace_gaps
+
+    def k(name, ts, dur, corr):
+        return dict(ph="X", cat="kernel", name=name, ts=ts, dur=dur, args=dict(correlation=corr))
+
+    def launch(ts, corr):
+        return dict(ph="X", cat="cuda_runtime", name="cudaLaunchKernel", ts=ts, dur=1, args=dict(correlation=corr))
+
+    events = [k("A", 0, 10, 1), k("B", 15, 5, 2), k("C", 30, 10, 3), launch(-1, 1), launch(5, 2), launch(25, 3),
+              dict(ph="X", cat="cpu_op", name="outer", ts=-2, dur=40), dict(ph="X", cat="cpu_op", name="slow_op",
+                                                                              ts=22, dur=5)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    import io
+    res = trace_gaps.report(str(path), 5, 1.0, out=io.StringIO())
+    assert res["gap_ms"] == 0.015 and res["late_gap_ms"] == 0.010 and res["span_ms"] == 0.040
+    assert res["late_by_op_ms"] == {"slow_op": 0.010}
