@@ -72,6 +72,9 @@ class _DeferredKLLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         job = ctx.job
+        if job is None:
+            raise RuntimeError("deferred indexer KL: its backward ran a second time (retain_graph); the KL is "
+                               "computed once per forward -- set GLM5_TRITON_DEFER_KL=0 for graphs run twice")
         # job -> token -> this node -> ctx -> job is a reference cycle: broken here, so that the step's graph and
         # the job are freed by reference counting instead of waiting for Python's cyclic collector (whose full
         # collections took ~11 ms of host time inside a proxy step on the H200, 2026-12-01)
