@@ -87,10 +87,10 @@ def _tiny_moe_run(monkeypatch, device_counts: bool):
     import megatron_glm5
     from megatron.core.transformer.moe import token_dispatcher
     from megatron_glm5 import GLM5Config, build_model
-    from megatron_glm5.model import moe_device_counts
+    from megatron_glm5.mcore_patches.registry import DISABLE_ENV
 
-    if not device_counts:
-        monkeypatch.setattr(moe_device_counts, "apply", lambda layer: False)
+    if not device_counts:  # the patch switched off the way every megatron-core patch can be
+        monkeypatch.setenv(DISABLE_ENV, "moe_device_counts")
     copies = []  # calls of megatron-core's device -> host copy / wait of the counts
     base = token_dispatcher.MoEAlltoAllTokenDispatcher
     dtoh = base._maybe_dtoh_and_synchronize

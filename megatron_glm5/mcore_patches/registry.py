@@ -30,6 +30,7 @@ from megatron_glm5.mcore_patches import (
     cpu_rng,
     gpt_model_log,
     import_shims,
+    moe_device_counts,
     moe_fused_permute,
     mtp_roll,
     optimizer_resume,
@@ -41,7 +42,7 @@ DISABLE_ENV = "MEGATRON_GLM5_DISABLE_SHIMS"
 
 # modules in application order (within a phase: the order of this list, then of each module's PATCHES)
 _MODULES = (import_shims, cpu_eager_compile, cpu_rng, cpu_device, cpu_optimizer, cpu_moe, cpu_literals,
-            optimizer_resume, gpt_model_log, mtp_roll, transformer_block, moe_fused_permute)
+            optimizer_resume, gpt_model_log, mtp_roll, transformer_block, moe_fused_permute, moe_device_counts)
 
 
 def _collect() -> Dict[str, Patch]:

@@ -37,7 +37,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from megatron_glm5.mcore_patches import registry as mcore_patches
 from megatron_glm5.mcore_patches.moe_fused_permute import permutes_with_moe_utils
-from megatron_glm5.model import fusions, moe_device_counts
+from megatron_glm5.model import fusions
 from megatron_glm5.model.hybridep_dispatcher import HierarchicalTokenDispatcher, hybridep_backend
 from megatron_glm5.model.params import param_device
 from megatron_glm5.model.permute_fusion import moe_permute_fusion_enabled
@@ -243,4 +243,4 @@ class GLM5MoELayer(MoELayer):
             _log_permute_choice(self.config.moe_token_dispatcher_type, fused)
             if fused:
                 mcore_patches.apply("moe_fused_permute", self, pg_collection)
-        moe_device_counts.apply(self)  # one EP/TP rank: counts stay on the GPU, no host wait
+        mcore_patches.apply("moe_device_counts", self)  # one EP/TP rank: counts stay on the GPU, no host wait

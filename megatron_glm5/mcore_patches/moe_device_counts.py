@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 
+from megatron_glm5.mcore_patches.record import Patch, Phase
+
 
 def single_rank_dropless(dispatcher) -> bool:
     """Whether this alltoall dispatcher's host copies are unused: one EP and TP rank, dropless, no router padding."""
@@ -43,8 +45,10 @@ def device_counts_dispatcher(base: type) -> type:
         "dispatch_postprocess": dispatch_postprocess, "combine_preprocess": combine_preprocess})
 
 
-def apply(layer) -> bool:
-    """Give an MoE layer's alltoall dispatcher the device-count subclass where :func:`single_rank_dropless`."""
+def _moe_device_counts(layer) -> bool:
+    """megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize /
+    dispatch_postprocess / combine_preprocess: an MoE layer's alltoall dispatcher gets the device-count subclass
+    where :func:`single_rank_dropless` (else nothing changes)."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     dispatcher = layer.token_dispatcher
@@ -52,3 +56,16 @@ def apply(layer) -> bool:
         return False
     dispatcher.__class__ = device_counts_dispatcher(type(dispatcher))
     return True
+
+
+PATCHES = (
+    Patch(
+        name="moe_device_counts",
+        site="megatron/core/transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher "
+             "_maybe_dtoh_and_synchronize / dispatch_postprocess / combine_preprocess",
+        why="megatron-core's alltoall dispatcher always copies the token counts to the host and waits for them, "
+            "also on one rank where nothing reads them; no option keeps them on the GPU",
+        test="tests/test_host_sync_free.py::test_moe_device_counts_same_loss_and_gradients",
+        phase=Phase.ON_USE, applied_by="model/moe.py GLM5MoELayer.__init__, one EP and TP rank, dropless",
+        apply=_moe_device_counts),
+)
