@@ -1,9 +1,16 @@
 """Our warp-specialised TileLang sparse MLA forward (``WS_CONFIG``; selectable with ``config=``, not the default).
 
 Status (2026-12-01): lowers and compiles for sm_90a (ptxas: 168 registers at launch, no spills, 222,208 bytes of
-dynamic shared memory); NOT yet verified on a GPU.  Its first H200 run used 240 / 32 registers per consumer /
-producer thread, 8 more than the block holds (2 x 240 + 32 > 3 x 168), so the consumers' setmaxnreg.inc waited
-forever and the kernel hung; the builder now rejects such counts and defaults to 232 / 40.
+dynamic shared memory).  Its first H200 run used 240 / 32 registers per consumer / producer thread, 8 more than the
+block holds (2 x 240 + 32 > 3 x 168), so the consumers' setmaxnreg.inc waited forever and the kernel hung; the
+builder now rejects such counts and defaults to 232 / 40.  With 232 / 40 it ran (3.57 ms at S 4096) but its out
+was wrong (rel. L2 1.04): both consumers used ONE set of register tiles (s, acc, m, l, ...), and TileLang 0.1.15
+binds a fragment's layout to the threads of the first branch that uses it and drops the element-wise work of the
+other branch on it -- consumer 1's lowered code had no score mask, no softmax, no acc init and no stores of its
+Out columns, m1_sh or l1_sh.  Each consumer now has its own tiles (one macro, ``consumer(c)``, writes both
+branches); the roles stay one if / elif / else chain (separate ifs get a block-wide __syncthreads between them,
+a deadlock).  tests/test_ops_tilelang_ws.py checks each role's part in the lowered source; the fix is not yet
+verified on a GPU (its GPU tests stay strict expected failures until a GPU run passes them).
 
 Same contract as ``tilelang_sparse_mla.tilelang_sparse_fwd`` (out [T, h, d_v] bf16, lse [T, h] fp32 natural log,
 -inf lse and 0 out for rows without keys, -1 / >= Tk slots unused, heads padded to 64), through the same wrapper:
@@ -71,6 +78,76 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     n_kv = T.dynamic("n_kv")
     wg = 128  # threads per warpgroup
 
+    def consumer(c: int):
+        """T.macro: consumer warpgroup c's whole part (blocks 2 it + c in kv buffer c, output columns c * half ..);
+        k_lat / k_rope / m_sh / l_sh: pairs indexed by buffer / consumer; s .. l_blk: its own register tiles."""
+        o = 1 - c
+        cols = slice(c * half, (c + 1) * half)
+
+        @T.macro
+        def run(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, m_sh, l_sh, s, acc, m_run, m_new, alpha,
+                l_run, l_blk, lse_f, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l):
+            T.set_max_nreg(consumer_regs, 1)
+            T.fill(acc, 0)
+            T.fill(l_run, 0)
+            T.fill(m_run, M_FLOOR)
+            T.barrier_wait(bar_q, 0)
+            for it in T.serial(n_pairs):
+                ph = it & 1
+                T.barrier_wait(bar_ready[c], ph)
+                T.gemm(q_lat, k_lat[c], s, transpose_B=True, clear_accum=True)
+                T.gemm(q_rope, k_rope[c], s, transpose_B=True)
+                for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+                    sel = Idx[tok, (2 * it + c) * BLOCK_N + j]
+                    s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity(acc_t))
+                T.reduce_max(s, m_new, dim=1, clear=True)
+                if c == 0:  # publish max(previous max, this tile's max), then take the block pair's max
+                    for i in T.Parallel(HEAD_BLOCK):
+                        m_sh[0][i] = T.max(m_run[i], m_new[i])
+                    T.barrier_arrive(bar_m0)
+                    T.barrier_wait(bar_m1, ph)
+                    for i in T.Parallel(HEAD_BLOCK):
+                        m_new[i] = m_sh[1][i]
+                else:  # fold in consumer 0's and publish the block pair's max
+                    T.barrier_wait(bar_m0, ph)
+                    for i in T.Parallel(HEAD_BLOCK):
+                        m_new[i] = T.max(m_new[i], m_sh[0][i])
+                        m_sh[1][i] = m_new[i]
+                    T.barrier_arrive(bar_m1)
+                for i in T.Parallel(HEAD_BLOCK):
+                    alpha[i] = T.exp2(m_run[i] - m_new[i])
+                    m_run[i] = m_new[i]
+                for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+                    s[i, j] = T.exp2(s[i, j] - m_run[i])
+                T.reduce_sum(s, l_blk, dim=1)
+                for i in T.Parallel(HEAD_BLOCK):
+                    l_run[i] = l_run[i] * alpha[i] + l_blk[i]
+                T.copy(s, k_rope[c])  # p [heads, slots] into this buffer's (spent) rope part
+                for i, j in T.Parallel(HEAD_BLOCK, half):
+                    acc[i, j] = acc[i, j] * alpha[i]
+                T.gemm(k_rope[c], k_lat[c][:, cols], acc)  # the fence for p's stores precedes this gemm
+                T.barrier_arrive(bar_p[c])
+                T.barrier_wait(bar_p[o], ph)
+                T.gemm(k_rope[o], k_lat[o][:, cols], acc)
+                T.barrier_arrive(bar_free[0])
+                T.barrier_arrive(bar_free[1])
+            T.copy(l_run, l_sh[c])
+            T.barrier_arrive(bar_l)
+            T.barrier_wait(bar_l, 0)
+            for i in T.Parallel(HEAD_BLOCK):
+                l_run[i] = l_run[i] + l_sh[o][i]
+            for i, j in T.Parallel(HEAD_BLOCK, half):
+                acc[i, j] = T.if_then_else(l_run[i] > 0, acc[i, j] / l_run[i], 0)
+            T.copy(acc, Out[tok, h0:h0 + HEAD_BLOCK, cols])
+            if c == 0:
+                for i in T.Parallel(HEAD_BLOCK):
+                    lse_f[i] = T.if_then_else(l_run[i] > 0, (T.log2(l_run[i]) + m_run[i]) * LN2, -T.infinity(acc_t))
+                T.copy(lse_f, Lse[tok, h0:h0 + HEAD_BLOCK])
+
+        return run
+
+    consumer0, consumer1 = consumer(0), consumer(1)
+
     @T.prim_func
     def sparse_mla_fwd_ws_kernel(
         Q: T.Tensor((n_q, heads, d_qk), dtype),
@@ -82,23 +159,31 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         with T.Kernel(n_q, hb_n, threads=3 * wg) as (tok, hb):
             q_lat = T.alloc_shared((HEAD_BLOCK, d_v), dtype)
             q_rope = T.alloc_shared((HEAD_BLOCK, d_rope), dtype)
-            k0_lat = T.alloc_shared((BLOCK_N, d_v), dtype)
+            k0_lat = T.alloc_shared((BLOCK_N, d_v), dtype)  # kv buffer 0: blocks 2 it
             k0_rope = T.alloc_shared((BLOCK_N, d_rope), dtype)  # then p of consumer 0 [heads, slots]
-            k1_lat = T.alloc_shared((BLOCK_N, d_v), dtype)
+            k1_lat = T.alloc_shared((BLOCK_N, d_v), dtype)  # kv buffer 1: blocks 2 it + 1
             k1_rope = T.alloc_shared((BLOCK_N, d_rope), dtype)  # then p of consumer 1
             m0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # consumer 0's running max after its tile
             m1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # the block pair's max (consumer 1)
             l0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
             l1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
-
-            s = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
-            acc = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
-            m_run = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            m_new = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            alpha = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            l_run = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            l_blk = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            lse_f = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            # register tiles: one set PER CONSUMER (a tile both branches use loses consumer 1's element-wise work in
+            # TileLang's lowering: module docstring)
+            s0 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            acc0 = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
+            m_run0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            m_new0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            alpha0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            l_run0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            l_blk0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            lse_f = T.alloc_fragment((HEAD_BLOCK,), acc_t)  # consumer 0 writes lse
+            s1 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            acc1 = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
+            m_run1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            m_new1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            alpha1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            l_run1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            l_blk1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             row = T.alloc_var(idx_t)
 
             bar_q = T.alloc_barrier(arrive_count=3 * wg)
@@ -115,123 +200,32 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q)
             T.barrier_arrive(bar_q)
 
-            if tx < wg:  # consumer 0: even blocks (buffer 0), output columns 0 .. half
-                T.set_max_nreg(consumer_regs, 1)
-                T.fill(acc, 0)
-                T.fill(l_run, 0)
-                T.fill(m_run, M_FLOOR)
-                T.barrier_wait(bar_q, 0)
-                for it in T.serial(n_pairs):
-                    ph = it & 1
-                    T.barrier_wait(bar_ready[0], ph)
-                    T.gemm(q_lat, k0_lat, s, transpose_B=True, clear_accum=True)
-                    T.gemm(q_rope, k0_rope, s, transpose_B=True)
-                    for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
-                        sel = Idx[tok, (2 * it) * BLOCK_N + j]
-                        s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity(acc_t))
-                    T.reduce_max(s, m_new, dim=1, clear=True)
-                    for i in T.Parallel(HEAD_BLOCK):
-                        m0_sh[i] = T.max(m_run[i], m_new[i])
-                    T.barrier_arrive(bar_m0)
-                    T.barrier_wait(bar_m1, ph)
-                    for i in T.Parallel(HEAD_BLOCK):
-                        m_new[i] = m1_sh[i]
-                        alpha[i] = T.exp2(m_run[i] - m_new[i])
-                        m_run[i] = m_new[i]
-                    for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
-                        s[i, j] = T.exp2(s[i, j] - m_run[i])
-                    T.reduce_sum(s, l_blk, dim=1)
-                    for i in T.Parallel(HEAD_BLOCK):
-                        l_run[i] = l_run[i] * alpha[i] + l_blk[i]
-                    T.copy(s, k0_rope)
-                    for i, c in T.Parallel(HEAD_BLOCK, half):
-                        acc[i, c] = acc[i, c] * alpha[i]
-                    T.gemm(k0_rope, k0_lat[:, 0:half], acc)  # the fence for k0_rope's stores precedes this gemm
-                    T.barrier_arrive(bar_p[0])
-                    T.barrier_wait(bar_p[1], ph)
-                    T.gemm(k1_rope, k1_lat[:, 0:half], acc)
-                    T.barrier_arrive(bar_free[0])
-                    T.barrier_arrive(bar_free[1])
-                T.copy(l_run, l0_sh)
-                T.barrier_arrive(bar_l)
-                T.barrier_wait(bar_l, 0)
-                for i in T.Parallel(HEAD_BLOCK):
-                    l_run[i] = l_run[i] + l1_sh[i]
-                for i, c in T.Parallel(HEAD_BLOCK, half):
-                    acc[i, c] = T.if_then_else(l_run[i] > 0, acc[i, c] / l_run[i], 0)
-                for i in T.Parallel(HEAD_BLOCK):
-                    lse_f[i] = T.if_then_else(l_run[i] > 0, (T.log2(l_run[i]) + m_run[i]) * LN2, -T.infinity(acc_t))
-                T.copy(acc, Out[tok, h0:h0 + HEAD_BLOCK, 0:half])
-                T.copy(lse_f, Lse[tok, h0:h0 + HEAD_BLOCK])
-            elif tx < 2 * wg:  # consumer 1: odd blocks (buffer 1), output columns half .. d_v
-                T.set_max_nreg(consumer_regs, 1)
-                T.fill(acc, 0)
-                T.fill(l_run, 0)
-                T.fill(m_run, M_FLOOR)
-                T.barrier_wait(bar_q, 0)
-                for it in T.serial(n_pairs):
-                    ph = it & 1
-                    T.barrier_wait(bar_ready[1], ph)
-                    T.gemm(q_lat, k1_lat, s, transpose_B=True, clear_accum=True)
-                    T.gemm(q_rope, k1_rope, s, transpose_B=True)
-                    for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
-                        sel = Idx[tok, (2 * it + 1) * BLOCK_N + j]
-                        s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity(acc_t))
-                    T.reduce_max(s, m_new, dim=1, clear=True)
-                    T.barrier_wait(bar_m0, ph)
-                    for i in T.Parallel(HEAD_BLOCK):
-                        m_new[i] = T.max(m_new[i], m0_sh[i])
-                        m1_sh[i] = m_new[i]
-                    T.barrier_arrive(bar_m1)
-                    for i in T.Parallel(HEAD_BLOCK):
-                        alpha[i] = T.exp2(m_run[i] - m_new[i])
-                        m_run[i] = m_new[i]
-                    for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
-                        s[i, j] = T.exp2(s[i, j] - m_run[i])
-                    T.reduce_sum(s, l_blk, dim=1)
-                    for i in T.Parallel(HEAD_BLOCK):
-                        l_run[i] = l_run[i] * alpha[i] + l_blk[i]
-                    T.copy(s, k1_rope)
-                    for i, c in T.Parallel(HEAD_BLOCK, half):
-                        acc[i, c] = acc[i, c] * alpha[i]
-                    T.gemm(k1_rope, k1_lat[:, half:d_v], acc)
-                    T.barrier_arrive(bar_p[1])
-                    T.barrier_wait(bar_p[0], ph)
-                    T.gemm(k0_rope, k0_lat[:, half:d_v], acc)
-                    T.barrier_arrive(bar_free[0])
-                    T.barrier_arrive(bar_free[1])
-                T.copy(l_run, l1_sh)
-                T.barrier_arrive(bar_l)
-                T.barrier_wait(bar_l, 0)
-                for i in T.Parallel(HEAD_BLOCK):
-                    l_run[i] = l_run[i] + l0_sh[i]
-                for i, c in T.Parallel(HEAD_BLOCK, half):
-                    acc[i, c] = T.if_then_else(l_run[i] > 0, acc[i, c] / l_run[i], 0)
-                T.copy(acc, Out[tok, h0:h0 + HEAD_BLOCK, half:d_v])
-            else:  # producer: gathers block 2 it into buffer 0 and 2 it + 1 into buffer 1
+            # buffer b's / consumer c's shared tiles (indexed by b or c in the roles below)
+            k_lat, k_rope, m_sh, l_sh = (k0_lat, k1_lat), (k0_rope, k1_rope), (m0_sh, m1_sh), (l0_sh, l1_sh)
+            bars = (bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l)
+            # one if / elif / else chain: separate ifs make TileLang put a block-wide __syncthreads between the roles
+            if tx < wg:
+                consumer0(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, m_sh, l_sh, s0, acc0, m_run0, m_new0,
+                          alpha0, l_run0, l_blk0, lse_f, *bars)
+            elif tx < 2 * wg:
+                consumer1(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, m_sh, l_sh, s1, acc1, m_run1, m_new1,
+                          alpha1, l_run1, l_blk1, lse_f, *bars)
+            else:  # producer: gathers block 2 it + b into buffer b
                 T.set_max_nreg(producer_regs, 0)
                 p = tx - 2 * wg
                 r0 = p // 8
                 col = (p % 8) * 8
                 for it in T.serial(n_pairs):
-                    T.barrier_wait(bar_free[0], (it & 1) ^ 1)
-                    for r in T.serial(BLOCK_N // ROWS_PER_PASS):
-                        row = T.max(T.min(Idx[tok, (2 * it) * BLOCK_N + r * ROWS_PER_PASS + r0], n_kv - 1), 0)
-                        for u in T.unroll(d_v // 64):
-                            T.ptx_cp_async(T.access_ptr(k0_lat[r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
-                                           T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
-                        T.ptx_cp_async(T.access_ptr(k0_rope[r * ROWS_PER_PASS + r0, col], "w", 8),
-                                       T.access_ptr(KV[row, d_v + col], "r", 8), 8)
-                    T.cp_async_barrier_noinc(bar_ready[0])
-                    T.barrier_wait(bar_free[1], (it & 1) ^ 1)
-                    for r in T.serial(BLOCK_N // ROWS_PER_PASS):
-                        row = T.max(T.min(Idx[tok, (2 * it + 1) * BLOCK_N + r * ROWS_PER_PASS + r0], n_kv - 1), 0)
-                        for u in T.unroll(d_v // 64):
-                            T.ptx_cp_async(T.access_ptr(k1_lat[r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
-                                           T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
-                        T.ptx_cp_async(T.access_ptr(k1_rope[r * ROWS_PER_PASS + r0, col], "w", 8),
-                                       T.access_ptr(KV[row, d_v + col], "r", 8), 8)
-                    T.cp_async_barrier_noinc(bar_ready[1])
+                    for b in (0, 1):  # Python-unrolled
+                        T.barrier_wait(bar_free[b], (it & 1) ^ 1)
+                        for r in T.serial(BLOCK_N // ROWS_PER_PASS):
+                            row = T.max(T.min(Idx[tok, (2 * it + b) * BLOCK_N + r * ROWS_PER_PASS + r0], n_kv - 1), 0)
+                            for u in T.unroll(d_v // 64):
+                                T.ptx_cp_async(T.access_ptr(k_lat[b][r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
+                                               T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
+                            T.ptx_cp_async(T.access_ptr(k_rope[b][r * ROWS_PER_PASS + r0, col], "w", 8),
+                                           T.access_ptr(KV[row, d_v + col], "r", 8), 8)
+                        T.cp_async_barrier_noinc(bar_ready[b])
 
     return sparse_mla_fwd_ws_kernel
 
