@@ -306,9 +306,10 @@ def test_backend_autograd_uses_both_tilelang_kernels(monkeypatch):
 
 CONFIGS = {"default": tlm.FWD_CONFIG, "pipelined": tlm.PIPELINED_CONFIG, "pipelined64": tlm.PIPELINED64_CONFIG}
 GPU_CONFIGS = dict(CONFIGS)  # the GPU tests' forward kernels
-# the warp-specialised forward: it runs (327 TFLOP/s at S 4096) but its outputs are wrong on the H200 (2026-12-01:
-# rel. L2 1.04 against the plain kernel), so its tests are expected to fail until it is fixed (strict: a passing
-# run turns them red, so that the marker goes and the kernel can join GPU_CONFIGS)
+# the warp-specialised forward: it ran (327 TFLOP/s at S 4096) with wrong outputs on the H200 (2026-12-01: rel. L2
+# 1.04 against the plain kernel); the fix found in its lowered source (tests/test_ops_tilelang_ws.py) has not run on
+# a GPU, so its tests are expected to fail until one passes them (strict: a passing run turns them red, so that the
+# marker goes and the kernel can join GPU_CONFIGS)
 WS_CONFIGS = [pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="the warp-specialised forward gives "
                                                              "wrong outputs on the H200 (2026-12-01)"))
               for name in ("ws", "ws_exact")]
