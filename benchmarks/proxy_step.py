@@ -197,7 +197,7 @@ def _kernel_intervals(prof) -> list:
             if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
 
 
-def _profile(model, step, cfg, args, device, gen):
+def _profile(name, model, step, cfg, args, device, gen):
     """One more step under torch.profiler: the table of the --profile ops with the most device (else CPU) time, and
     on a GPU the step's kernels by category (``category_table``)."""
     from torch.profiler import ProfilerActivity, profile
@@ -211,11 +211,12 @@ def _profile(model, step, cfg, args, device, gen):
         step(model, ids)
         if device.type == "cuda":
             torch.cuda.synchronize()
-    gc.enable()
+    if args.manual_gc:
+        gc.enable()
     for p in model.parameters():
         p.grad = None
     if args.trace:  # the profiled step's timeline (chrome://tracing, Perfetto), one file per impl
-        prof.export_chrome_trace(str(Path(args.trace) / f"trace_{args.current_impl.replace('/', '_')}.json.gz"))
+        prof.export_chrome_trace(str(Path(args.trace) / f"trace_{name.replace('/', '_')}.json.gz"))
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=70)
     if args.profile_sites:
@@ -321,7 +322,7 @@ def run(name, build, step, cfg, args, device) -> dict:
     if args.manual_gc:
         gc.enable()
     ms = statistics.median(times)
-    profile, categories, busy = (_profile(model, step, cfg, args, device, gen) if args.profile
+    profile, categories, busy = (_profile(name, model, step, cfg, args, device, gen) if args.profile
                                  else (None, None, None))
     syncs = _sync_sites(model, step, cfg, args, device, gen) if args.sync_debug and device.type == "cuda" else None
     tokens = args.batch * args.seq
@@ -399,7 +400,6 @@ def main(argv=None) -> int:
     results = []
     for name in names:
         build, step = builders[name]
-        args.current_impl = name
         results.append(run(name, build, step, cfg, args, device))
         if args.json:  # after each impl: a later one that fails leaves the earlier results
             Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
