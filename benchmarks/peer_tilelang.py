@@ -117,6 +117,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("benchmarks/peer_tilelang.py needs a CUDA GPU")
     ours = (("warp-specialised", tlws.WS_CONFIG), ("warp-specialised, exact exp2", tlws.WS_EXACT_CONFIG),
+            ("warp-specialised, gathering unused slots", tlws.WS_GATHER_ALL_CONFIG),
             ("plain loop", tlm.FWD_CONFIG), ("pipelined, 64 rows", tlm.PIPELINED64_CONFIG))
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, reps=args.reps,
                   command="python benchmarks/peer_tilelang.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -130,21 +131,24 @@ def main(argv=None):
             result["rows"].append(row)
             print(f"S={seq:6d} {kernel:48s} {ms:9.3f} ms {row['tflops']:7.1f} TFLOP/s", flush=True)
 
-        ref_o, ref_l = None, None
-        for label, cfg in ours:
+        runs, ref_o, ref_l = [], None, None
+        for label, cfg in ours:  # compile, and check each configuration against the first on the same inputs
             run = functools.partial(tlm.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, kernels.DV, config=cfg)
             try:
-                o, l_ = run()  # compile outside the timing; each configuration checked against the first one
+                o, l_ = run()
             except Exception as e:
                 print(f"(ours, {label}, not timed: {type(e).__name__}: {str(e).splitlines()[0][:200]})", flush=True)
                 continue
+            runs.append((label, run))
             if ref_o is None:
                 ref_o, ref_l = o.float(), l_
             else:
                 fin = torch.isfinite(ref_l)
                 row_err = ((o.float() - ref_o).norm() / ref_o.norm()).item()
-                print(f"   {label}: rel L2 of out vs the first configuration {row_err:.2e}, lse max abs diff "
+                print(f"   {label}: rel L2 of out vs {runs[0][0]} {row_err:.2e}, lse max abs diff "
                       f"{(l_[fin] - ref_l[fin]).abs().max().item():.2e}", flush=True)
+        del ref_o, ref_l
+        for label, run in runs:  # timed with fresh inputs (p.refill) between repetitions
             add(f"sparse_mla fwd (our TileLang, {label})", kernels.timed(run, p.refill, args.reps), p.fwd_flop)
         add_fwd_rows(p, args.examples, add, kernels.timed, args.reps, kernels.DV)
         del p

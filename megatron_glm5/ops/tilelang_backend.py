@@ -2,9 +2,11 @@
 (``tilelang_sparse_mla_bwd``), indexer scores (``tilelang_indexer``) and the KL target's head sums
 (``tilelang_kl``) -- with the Triton backend as ``fallback``.
 
-indexer_topk: our TileLang scores + the Triton backend's exact top-k.  sparse_mla: our forward and backward
-through the backends' autograd Function (``base.SparseMLAFunction``); the deterministic backward is Triton's
-(``tilelang_sparse_mla_bwd`` says so, once).  indexer_kl_loss: the fallback's routing and fused indexer side, with
+indexer_topk: our TileLang scores + the Triton backend's exact top-k.  sparse_mla: our warp-specialised TileLang
+forward and the Triton two-step backward (``forward_kernel`` / ``backward_kernel``: GLM5_TILELANG_FWD=plain and
+GLM5_TILELANG_BWD=tilelang select our other kernels) through the backends' autograd Function
+(``base.SparseMLAFunction``); our TileLang backward's deterministic mode is Triton's (``tilelang_sparse_mla_bwd``
+says so, once).  indexer_kl_loss: the fallback's routing and fused indexer side, with
 our one-pass head sums for the target (handed to the fallback as its ``kl_head_probs``).  Every shape the kernels
 do not take (non-bf16, d_v or d_rope not a power of two; for the KL target also a missing lse) is the fallback's,
 with a warning logged once per reason.  Dense mode (indices None) is the torch reference, as for --attn triton.
@@ -12,14 +14,54 @@ with a warning logged once per reason.  Dense mode (indices None) is the torch r
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Callable, Optional
 
+from ..errors import UserError
 from . import tilelang_sparse_mla
 from .base import LibraryBackend, sparse_mla_autograd, triton_backward_reason, warn_once
 from .tilelang_sparse_mla import TILELANG_INSTALL
 from .triton_backend import TritonBackend
 
-__all__ = ["TilelangBackend"]
+__all__ = ["TilelangBackend", "backward_kernel", "forward_kernel"]
+
+class TilelangSettingError(UserError, ValueError):
+    """A bad value of one of the TileLang backend's environment settings."""
+
+
+def _setting(var: str, choices, what: str) -> str:
+    """The value of environment setting ``var`` (read at each call; the first of ``choices`` when unset)."""
+    raw = os.environ.get(var, choices[0])
+    v = raw.strip().lower() or choices[0]
+    if v not in choices:
+        raise TilelangSettingError(f"{var}={raw!r}: must be one of {', '.join(choices)} ({what})")
+    return v
+
+
+def forward_kernel() -> Callable:
+    """The sparse forward ``--attn tilelang`` runs, by GLM5_TILELANG_FWD: ``ws`` (default) our warp-specialised
+    kernel (tilelang_sparse_mla_ws; the plain kernel for shapes it does not take), ``plain`` the plain loop
+    (tilelang_sparse_mla.FWD_CONFIG).  On the H200 at S 4096: 3.93 vs 4.87 ms (docs/performance.md)."""
+    if _setting("GLM5_TILELANG_FWD", ("ws", "plain"), "our TileLang sparse forward: the warp-specialised kernel or "
+                "the plain loop") == "ws":
+        from .tilelang_sparse_mla_ws import tilelang_sparse_fwd_ws
+
+        return tilelang_sparse_fwd_ws
+    return tilelang_sparse_mla.tilelang_sparse_fwd
+
+
+def backward_kernel() -> Callable:
+    """The sparse backward ``--attn tilelang`` runs, by GLM5_TILELANG_BWD: ``triton`` (default) the Triton two-step
+    backward, ``tilelang`` our TileLang kernel (tilelang_sparse_mla_bwd).  In the H200 proxy step the Triton one
+    takes 7.9 ms per layer against the TileLang kernel's 16.3 (docs/performance.md), so it is the default."""
+    if _setting("GLM5_TILELANG_BWD", ("triton", "tilelang"), "the sparse backward of --attn tilelang: the Triton "
+                "two-step kernels or our TileLang kernel") == "tilelang":
+        from .tilelang_sparse_mla_bwd import tilelang_sparse_bwd
+
+        return tilelang_sparse_bwd
+    from .triton_sparse_mla import sparse_mla_bwd
+
+    return sparse_mla_bwd
 
 
 class TilelangBackend(LibraryBackend):
@@ -60,10 +102,8 @@ class TilelangBackend(LibraryBackend):
         if indices is not None:
             why = tilelang_sparse_mla.tilelang_unsupported_reason(q, kv, d_v) or triton_backward_reason(q, d_v)
             if why is None:
-                from .tilelang_sparse_mla_bwd import tilelang_sparse_bwd
-
-                return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, self.deterministic,
-                                           tilelang_sparse_mla.tilelang_sparse_fwd, tilelang_sparse_bwd)
+                return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, self.deterministic, forward_kernel(),
+                                           backward_kernel())
             warn_once(self.name, why)
         return self.fallback.sparse_mla(q, kv, indices, softmax_scale, d_v, key_start, query_end, chunk_size)
 

@@ -1,16 +1,15 @@
-"""Our warp-specialised TileLang sparse MLA forward (``WS_CONFIG``; selectable with ``config=``, not the default).
+"""Our warp-specialised TileLang sparse MLA forward (``WS_CONFIG``): the ``--attn tilelang`` forward
+(``tilelang_backend.forward_kernel``; ``GLM5_TILELANG_FWD=plain`` selects the plain loop instead).
 
-Status (2026-12-01): lowers and compiles for sm_90a (ptxas: 168 registers at launch, no spills, 222,208 bytes of
-dynamic shared memory).  Its first H200 run used 240 / 32 registers per consumer / producer thread, 8 more than the
-block holds (2 x 240 + 32 > 3 x 168), so the consumers' setmaxnreg.inc waited forever and the kernel hung; the
-builder now rejects such counts and defaults to 232 / 40.  With 232 / 40 it ran (3.57 ms at S 4096) but its out
-was wrong (rel. L2 1.04): both consumers used ONE set of register tiles (s, acc, m, l, ...), and TileLang 0.1.15
-binds a fragment's layout to the threads of the first branch that uses it and drops the element-wise work of the
-other branch on it -- consumer 1's lowered code had no score mask, no softmax, no acc init and no stores of its
-Out columns, m1_sh or l1_sh.  Each consumer now has its own tiles (one macro, ``consumer(c)``, writes both
-branches); the roles stay one if / elif / else chain (separate ifs get a block-wide __syncthreads between them,
-a deadlock).  tests/test_ops_tilelang_ws.py checks each role's part in the lowered source; the fix is not yet
-verified on a GPU (its GPU tests stay strict expected failures until a GPU run passes them).
+Status (2026-12-01, session 9): passes the GPU tests of tests/test_ops_tilelang.py on the H200 and runs at 505
+TFLOP/s at S 4096 and 504 at 32768 (docs/performance.md).  ptxas: 168 registers at launch, no spills, 222,208 bytes
+of dynamic shared memory.  Two earlier failures the builder and tests now guard against: 240 / 32 registers per
+consumer / producer thread asked 8 more than the block holds (2 x 240 + 32 > 3 x 168), so the consumers'
+setmaxnreg.inc waited forever (the builder rejects such counts; 232 / 40 by default); and both consumers used ONE
+set of register tiles, which TileLang 0.1.15 binds to the threads of the first branch that uses it, dropping the
+other branch's element-wise work (rel. L2 1.04) -- each consumer has its own tiles (one macro, ``consumer(c)``,
+writes both branches), and the roles stay one if / elif / else chain (separate ifs get a block-wide __syncthreads
+between them, a deadlock).  tests/test_ops_tilelang_ws.py checks each role's part in the lowered source.
 
 Same contract as ``tilelang_sparse_mla.tilelang_sparse_fwd`` (out [T, h, d_v] bf16, lse [T, h] fp32 natural log,
 -inf lse and 0 out for rows without keys, -1 / >= Tk slots unused, heads padded to 64), through the same wrapper:
@@ -29,9 +28,12 @@ here in TileLang:
 * consumer c owns output columns c * d_v / 2 .. of the 64 heads: acc_c = acc_c * alpha + p_0 v_0[:, half c] +
   p_1 v_1[:, half c], reading both consumers' p; row sums are per consumer and added in the epilogue.
 
-An unused slot reads a clamped row (finite) and gets score -inf, so p = 0 there; the running max starts at the
-finite floor ``M_FLOOR``.  Needs d_rope == 64 (the p tile lives in the rope buffer) and d_v a multiple of 128; the top-k
-slots are padded to a multiple of 128 (two blocks per step).  Other shapes take the plain kernel (``FWD_CONFIG``).
+An unused slot (index -1 or >= Tk) gets score -inf, so p = 0 there; after the first block pair the producer gathers
+nothing for it (``skip_unused``: its buffer row keeps an earlier block's finite values), in the first pair a clamped
+row (shared memory starts uninitialised).  On the H200 with causal top-k 2048 that made it 1.70x faster at S 4096 (a
+quarter of the slots unused) and 1.09x at 32768 (3 %).  The running max starts at the finite floor ``M_FLOOR``.
+Needs d_rope == 64 (the p tile lives in the rope buffer) and d_v a multiple of 128; the top-k slots are padded to a
+multiple of 128 (two blocks per step).  Other shapes take the plain kernel (``FWD_CONFIG``).
 """
 
 # no ``from __future__ import annotations``: TileLang evaluates the kernel's annotations (closure sizes) eagerly
@@ -42,7 +44,7 @@ import torch
 from . import tilelang_sparse_mla
 from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, check_tiles
 
-__all__ = ["WS_CONFIG", "WS_EXACT_CONFIG", "build_sparse_fwd_ws", "tilelang_sparse_fwd_ws", "ws_fits"]
+__all__ = ["WS_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG", "build_sparse_fwd_ws", "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
 PRODUCER_THREADS = 128
@@ -53,12 +55,13 @@ LAUNCH_REGS = 168
 
 
 def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, consumer_regs: int = 232,
-                        producer_regs: int = 40, dtype: str = "bfloat16"):
+                        producer_regs: int = 40, skip_unused: bool = True, dtype: str = "bfloat16"):
     """The TileLang prim_func of the warp-specialised forward (module docstring); same arguments as
     ``tilelang_sparse_mla.build_sparse_fwd``'s kernel.  heads % 64 == 0, topk % 128 == 0, d_rope == 64.
     consumer_regs / producer_regs: the per-thread registers of each role after setmaxnreg (multiples of 8); their
     sum over the three warpgroups must fit the block's launch allocation (``LAUNCH_REGS`` per thread), else the
-    consumers' setmaxnreg.inc waits forever for registers nobody frees."""
+    consumers' setmaxnreg.inc waits forever for registers nobody frees.  skip_unused: the producer gathers no row for
+    an unused slot after the first block pair (False: a clamped row, as in the first pair)."""
     import tilelang.language as T
 
     check_tiles(heads, topk, 2 * BLOCK_N)
@@ -219,23 +222,31 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                     for b in (0, 1):  # Python-unrolled
                         T.barrier_wait(bar_free[b], (it & 1) ^ 1)
                         for r in T.serial(BLOCK_N // ROWS_PER_PASS):
-                            row = T.max(T.min(Idx[tok, (2 * it + b) * BLOCK_N + r * ROWS_PER_PASS + r0], n_kv - 1), 0)
-                            for u in T.unroll(d_v // 64):
-                                T.ptx_cp_async(T.access_ptr(k_lat[b][r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
-                                               T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
-                            T.ptx_cp_async(T.access_ptr(k_rope[b][r * ROWS_PER_PASS + r0, col], "w", 8),
-                                           T.access_ptr(KV[row, d_v + col], "r", 8), 8)
+                            sel = Idx[tok, (2 * it + b) * BLOCK_N + r * ROWS_PER_PASS + r0]
+                            # an unused slot (score masked, p = 0) is not gathered after the first pair: its row
+                            # keeps an earlier block's finite values; the first pair fills it from a clamped row
+                            # (the buffers start uninitialised)
+                            gather = T.if_then_else(sel >= 0, T.if_then_else(sel < n_kv, 1, 0), 0) if skip_unused else 1
+                            if T.if_then_else(it == 0, 1, gather) == 1:
+                                row = T.max(T.min(sel, n_kv - 1), 0)
+                                for u in T.unroll(d_v // 64):
+                                    T.ptx_cp_async(
+                                        T.access_ptr(k_lat[b][r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
+                                        T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
+                                T.ptx_cp_async(T.access_ptr(k_rope[b][r * ROWS_PER_PASS + r0, col], "w", 8),
+                                               T.access_ptr(KV[row, d_v + col], "r", 8), 8)
                         T.cp_async_barrier_noinc(bar_ready[b])
 
     return sparse_mla_fwd_ws_kernel
 
 
-#: the tilelang backend's default forward: this module's kernel through ``tilelang_sparse_fwd`` (top-k padded to
-#: two blocks); ``tilelang_sparse_mla.FWD_CONFIG`` (the plain loop) stays selectable as ``config=``
+#: the tilelang backend's forward: this module's kernel through ``tilelang_sparse_fwd`` (top-k padded to two blocks)
 WS_CONFIG = dict(builder=build_sparse_fwd_ws, topk_multiple=2 * BLOCK_N, consumer_regs=232, producer_regs=40,
                  fast_math=True)
 #: the same kernel with exact exp2f (TileLang's fast-math pass off), for the benchmark's comparison
 WS_EXACT_CONFIG = dict(WS_CONFIG, fast_math=False)
+#: the same kernel gathering a (clamped) row for every slot, unused ones too, for the benchmark's comparison
+WS_GATHER_ALL_CONFIG = dict(WS_CONFIG, skip_unused=False)
 
 
 def ws_fits(q: torch.Tensor, d_v: int) -> bool:
