@@ -118,6 +118,9 @@ def main(argv=None):
         sys.exit("benchmarks/peer_tilelang.py needs a CUDA GPU")
     ours = (("warp-specialised", tlws.WS_CONFIG), ("warp-specialised, exact exp2", tlws.WS_EXACT_CONFIG),
             ("warp-specialised, gathering unused slots", tlws.WS_GATHER_ALL_CONFIG),
+            ("warp-specialised, buffers freed after the pair", tlws.WS_LATE_RELEASE_CONFIG),
+            ("warp-specialised, 32-row blocks, four buffers", tlws.WS32_CONFIG),
+            ("warp-specialised, 32-row blocks, early release", tlws.WS32_EARLY_CONFIG),
             ("plain loop", tlm.FWD_CONFIG), ("pipelined, 64 rows", tlm.PIPELINED64_CONFIG))
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, reps=args.reps,
                   command="python benchmarks/peer_tilelang.py " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -116,3 +116,16 @@ def test_moe_device_counts_same_loss_and_gradients(monkeypatch):
     assert grads0.keys() == grads1.keys() and any("experts" in n for n in grads1)
     for n in grads0:
         assert torch.equal(grads0[n], grads1[n]), n
+
+
+def test_window_check_ignores_empty_rows_and_rejects_keys_outside():
+    """The window plan's range check (on its lo / hi rows, without boolean indexing): rows with query_end <
+    key_start are empty and may hold any values; a non-empty window outside [0, n_keys) is an error."""
+    w = reference._Windows(torch.tensor([0, 50, 2]), torch.tensor([3, -7, 9]), 3, 10)
+    assert w.n_valid.tolist() == [4, 0, 8] and w.row_hi.tolist() == [3, -1, 9]
+    assert w.span(0, 3) == (0, 9) and w.span(1, 2) == (10, -1)  # an empty row does not widen a span
+    for ks, qe in (([0, -1], [3, 4]), ([0, 2], [3, 10])):
+        with pytest.raises(ValueError, match="must lie inside the 10 key rows"):
+            reference._Windows(torch.tensor(ks), torch.tensor(qe), 2, 10)
+    none = torch.tensor([], dtype=torch.int64)
+    assert reference._Windows(none, none, 0, 10).n_valid.numel() == 0

@@ -360,7 +360,8 @@ CONFIGS = {"default": tlm.FWD_CONFIG, "pipelined": tlm.PIPELINED_CONFIG, "pipeli
 # the GPU tests' forward kernels; the warp-specialised forward first ran with wrong outputs (2026-12-01, session 8:
 # rel. L2 1.04), then, fixed from its lowered source (tests/test_ops_tilelang_ws.py), passed these tests on the H200
 GPU_CONFIGS = dict(CONFIGS, ws=tlws.WS_CONFIG, ws_exact=tlws.WS_EXACT_CONFIG,
-                   ws_gather_all=tlws.WS_GATHER_ALL_CONFIG)
+                   ws_gather_all=tlws.WS_GATHER_ALL_CONFIG, ws_late=tlws.WS_LATE_RELEASE_CONFIG, ws32=tlws.WS32_CONFIG,
+                   ws32_early=tlws.WS32_EARLY_CONFIG)
 
 
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG,

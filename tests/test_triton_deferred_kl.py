@@ -105,22 +105,35 @@ def test_the_job_is_freed_without_the_cyclic_collector():
 
 
 def test_defer_kl_setting(monkeypatch):
-    """GLM5_TRITON_DEFER_KL, read when asked: 1 deferred, 0 / unset forward-time, the constructor's value wins; a
-    bad value is one line naming the variable and its two values (docs/bad_input.md)."""
+    """GLM5_TRITON_DEFER_KL, read when asked: 1 deferred, 0 forward-time, auto / unset deferred in a one-process run
+    only; the constructor's value wins; a bad value is one line naming the variable and its values
+    (docs/bad_input.md)."""
+    import torch.distributed as dist
+
     from megatron_glm5.errors import UserError
     from megatron_glm5.ops.triton_backend import TritonBackend
 
     b, fixed = TritonBackend(), TritonBackend(defer_kl=False)
     monkeypatch.delenv("GLM5_TRITON_DEFER_KL", raising=False)
-    assert b.defer_kl is False and fixed.defer_kl is False
+    assert not dist.is_initialized()
+    assert b.defer_kl is True and fixed.defer_kl is False  # one process: deferred
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert b.defer_kl is False  # several processes: the forward-time KL
+    monkeypatch.setenv("GLM5_TRITON_DEFER_KL", "auto")
+    assert b.defer_kl is False
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert b.defer_kl is True
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setenv("GLM5_TRITON_DEFER_KL", "1")
     assert b.defer_kl is True and TritonBackend(defer_kl=True).defer_kl is True
     monkeypatch.setenv("GLM5_TRITON_DEFER_KL", "0")
     assert b.defer_kl is False
     assert b.deferred_indexer_kl(None, None, None, 1.0, None, 16, torch.zeros(1, 1)) is None  # off: forward-time
     monkeypatch.setenv("GLM5_TRITON_DEFER_KL", "maybe")
-    with pytest.raises(UserError, match=r"^GLM5_TRITON_DEFER_KL='maybe': must be 0 or 1 \(1: the indexer KL loss "
-                                        r"computed in the backward .*; 0: in the forward\)$"):
+    with pytest.raises(UserError, match=r"^GLM5_TRITON_DEFER_KL='maybe': must be auto, 0 or 1 \(1: the indexer KL "
+                                        r"loss computed in the backward .*; 0: in the forward; auto: 1 in a "
+                                        r"one-process run, else 0\)$"):
         b.defer_kl
     assert fixed.defer_kl is False
 

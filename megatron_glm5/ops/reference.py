@@ -85,14 +85,15 @@ class _Windows:
                 f"got {ks.numel()} and {qe.numel()}"
             )
         nonempty = qe >= ks
-        if bool(nonempty.any()):
-            if int(ks[nonempty].min()) < 0 or int(qe[nonempty].max()) >= n_keys:
-                raise ValueError(f"key windows [key_start, query_end] must lie inside the {n_keys} key rows")
         self.n_valid = torch.where(nonempty, qe - ks + 1, torch.zeros_like(ks))
         self._on_device = {}
         # empty rows must not widen a chunk's key range
         self._lo = torch.where(nonempty, ks, torch.full_like(ks, n_keys))
         self._hi = torch.where(nonempty, qe, torch.full_like(qe, -1))
+        # checked on _lo / _hi (empty rows hold n_keys / -1 there): no boolean indexing, which took 3-6 ms of host
+        # time per step on the H200's host at the start of a step (docs/performance.md, session 9)
+        if ks.numel() and (int(self._lo.min()) < 0 or int(self._hi.max()) >= n_keys):
+            raise ValueError(f"key windows [key_start, query_end] must lie inside the {n_keys} key rows")
 
     @property
     def row_hi(self) -> Tensor:

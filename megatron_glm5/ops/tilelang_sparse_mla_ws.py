@@ -1,8 +1,8 @@
 """Our warp-specialised TileLang sparse MLA forward (``WS_CONFIG``): the ``--attn tilelang`` forward
 (``tilelang_backend.forward_kernel``; ``GLM5_TILELANG_FWD=plain`` selects the plain loop instead).
 
-Status (2026-12-01, session 9): passes the GPU tests of tests/test_ops_tilelang.py on the H200 and runs at 505
-TFLOP/s at S 4096 and 504 at 32768 (docs/performance.md).  ptxas: 168 registers at launch, no spills, 222,208 bytes
+Status (2026-12-01, session 9): passes the GPU tests of tests/test_ops_tilelang.py on the H200 and runs at 542
+TFLOP/s at S 4096 and 499-504 at 32768 (docs/performance.md).  ptxas: 168 registers at launch, no spills, 222,208 bytes
 of dynamic shared memory.  Two earlier failures the builder and tests now guard against: 240 / 32 registers per
 consumer / producer thread asked 8 more than the block holds (2 x 240 + 32 > 3 x 168), so the consumers'
 setmaxnreg.inc waited forever (the builder rejects such counts; 232 / 40 by default); and both consumers used ONE
@@ -26,7 +26,11 @@ here in TileLang:
   pair's max, which both use for exp2; each rounds its p to bf16 into the rope part of its own kv buffer (free once
   its scores are computed: p [64 heads, 64 slots] has the shape of k_rope [64 slots, 64]);
 * consumer c owns output columns c * d_v / 2 .. of the 64 heads: acc_c = acc_c * alpha + p_0 v_0[:, half c] +
-  p_1 v_1[:, half c], reading both consumers' p; row sums are per consumer and added in the epilogue.
+  p_1 v_1[:, half c], reading both consumers' p; row sums are per consumer and added in the epilogue;
+* early release (``early_release``, the default): both consumers do the even block's p V first and free each buffer
+  right after its last use (each publishes its p after an explicit async-proxy fence), so the producer refills the
+  even buffer while the odd block's p V runs (1.05x at S 4096 on the H200); ``block_n=32`` keeps a whole second
+  buffer set in flight instead (four 32-row buffers, p in its own tiles: slower, 436-457 TFLOP/s).
 
 An unused slot (index -1 or >= Tk) gets score -inf, so p = 0 there; after the first block pair the producer gathers
 nothing for it (``skip_unused``: its buffer row keeps an earlier block's finite values), in the first pair a clamped
@@ -44,7 +48,8 @@ import torch
 from . import tilelang_sparse_mla
 from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, check_tiles
 
-__all__ = ["WS_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG", "build_sparse_fwd_ws", "tilelang_sparse_fwd_ws", "ws_fits"]
+__all__ = ["WS_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG", "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG",
+           "build_sparse_fwd_ws", "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
 PRODUCER_THREADS = 128
@@ -55,16 +60,26 @@ LAUNCH_REGS = 168
 
 
 def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, consumer_regs: int = 232,
-                        producer_regs: int = 40, skip_unused: bool = True, dtype: str = "bfloat16"):
+                        producer_regs: int = 40, skip_unused: bool = True, block_n: int = BLOCK_N,
+                        early_release: bool = False, dtype: str = "bfloat16"):
     """The TileLang prim_func of the warp-specialised forward (module docstring); same arguments as
     ``tilelang_sparse_mla.build_sparse_fwd``'s kernel.  heads % 64 == 0, topk % 128 == 0, d_rope == 64.
     consumer_regs / producer_regs: the per-thread registers of each role after setmaxnreg (multiples of 8); their
     sum over the three warpgroups must fit the block's launch allocation (``LAUNCH_REGS`` per thread), else the
     consumers' setmaxnreg.inc waits forever for registers nobody frees.  skip_unused: the producer gathers no row for
-    an unused slot after the first block pair (False: a clamped row, as in the first pair)."""
+    an unused slot after the first block pair (False: a clamped row, as in the first pair).
+    block_n: kv rows per block, 64 (two kv buffers: a block pair's gather waits until both consumers are done with
+    the previous pair) or 32 (four buffers in two sets: the producer gathers the next pair into one set while the
+    consumers work on the other; p then has its own shared tiles).  early_release: both consumers take the pair's
+    buffers in the same order (even block first) and free each right after its last use (p published with an
+    explicit async-proxy fence), so the producer can refill the even buffer during the odd block's p V."""
     import tilelang.language as T
 
-    check_tiles(heads, topk, 2 * BLOCK_N)
+    if block_n not in (32, BLOCK_N):
+        raise ValueError(f"block_n must be 32 or {BLOCK_N}, got {block_n}")
+    sets = BLOCK_N // block_n  # buffer sets in flight: 1 (64 rows) or 2 (32 rows)
+    set_ids = tuple(range(sets))  # (TileLang's parser turns range() inside a kernel into a loop)
+    check_tiles(heads, topk, 2 * block_n * sets)
     if 2 * consumer_regs + producer_regs > 3 * LAUNCH_REGS or consumer_regs % 8 or producer_regs % 8:
         raise ValueError(f"consumer_regs ({consumer_regs}) x 2 + producer_regs ({producer_regs}) must be at most "
                          f"{3 * LAUNCH_REGS} (3 warpgroups x {LAUNCH_REGS} registers at launch), multiples of 8")
@@ -74,7 +89,8 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     d_qk = d_v + d_rope
     half = d_v // 2
     hb_n = heads // HEAD_BLOCK
-    n_pairs = topk // (2 * BLOCK_N)
+    n_outer = topk // (2 * block_n * sets)
+    p_in_rope = block_n == d_rope  # p [heads, block_n] has the shape of a block's rope part [block_n, d_rope]
     acc_t, idx_t = "float32", "int32"
     c_log2 = float(softmax_scale) * LOG2E
     n_q = T.dynamic("n_q")
@@ -82,58 +98,76 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     wg = 128  # threads per warpgroup
 
     def consumer(c: int):
-        """T.macro: consumer warpgroup c's whole part (blocks 2 it + c in kv buffer c, output columns c * half ..);
-        k_lat / k_rope / m_sh / l_sh: pairs indexed by buffer / consumer; s .. l_blk: its own register tiles."""
+        """T.macro: consumer warpgroup c's whole part (block 2 it + c of each pair it, in kv buffer 2 set + c;
+        output columns c * half ..); k_lat / k_rope / p_of (by buffer), m_sh / l_sh (by consumer): tuples;
+        s .. l_blk: its own register tiles."""
         o = 1 - c
         cols = slice(c * half, (c + 1) * half)
 
         @T.macro
-        def run(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, m_sh, l_sh, s, acc, m_run, m_new, alpha,
+        def run(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new, alpha,
                 l_run, l_blk, lse_f, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l):
             T.set_max_nreg(consumer_regs, 1)
             T.fill(acc, 0)
             T.fill(l_run, 0)
             T.fill(m_run, M_FLOOR)
             T.barrier_wait(bar_q, 0)
-            for it in T.serial(n_pairs):
-                ph = it & 1
-                T.barrier_wait(bar_ready[c], ph)
-                T.gemm(q_lat, k_lat[c], s, transpose_B=True, clear_accum=True)
-                T.gemm(q_rope, k_rope[c], s, transpose_B=True)
-                for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
-                    sel = Idx[tok, (2 * it + c) * BLOCK_N + j]
-                    s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity(acc_t))
-                T.reduce_max(s, m_new, dim=1, clear=True)
-                if c == 0:  # publish max(previous max, this tile's max), then take the block pair's max
+            for it0 in T.serial(n_outer):
+                for st in set_ids:  # a Python tuple: unrolled, buffer indices stay Python ints
+                    it = it0 * sets + st
+                    ph = it & 1
+                    mine, other = 2 * st + c, 2 * st + o
+                    T.barrier_wait(bar_ready[mine], it0 & 1)
+                    T.gemm(q_lat, k_lat[mine], s, transpose_B=True, clear_accum=True)
+                    T.gemm(q_rope, k_rope[mine], s, transpose_B=True)
+                    for i, j in T.Parallel(HEAD_BLOCK, block_n):
+                        sel = Idx[tok, (2 * it + c) * block_n + j]
+                        s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity(acc_t))
+                    T.reduce_max(s, m_new, dim=1, clear=True)
+                    if c == 0:  # publish max(previous max, this tile's max), then take the block pair's max
+                        for i in T.Parallel(HEAD_BLOCK):
+                            m_sh[0][i] = T.max(m_run[i], m_new[i])
+                        T.barrier_arrive(bar_m0)
+                        T.barrier_wait(bar_m1, ph)
+                        for i in T.Parallel(HEAD_BLOCK):
+                            m_new[i] = m_sh[1][i]
+                    else:  # fold in consumer 0's and publish the block pair's max
+                        T.barrier_wait(bar_m0, ph)
+                        for i in T.Parallel(HEAD_BLOCK):
+                            m_new[i] = T.max(m_new[i], m_sh[0][i])
+                            m_sh[1][i] = m_new[i]
+                        T.barrier_arrive(bar_m1)
                     for i in T.Parallel(HEAD_BLOCK):
-                        m_sh[0][i] = T.max(m_run[i], m_new[i])
-                    T.barrier_arrive(bar_m0)
-                    T.barrier_wait(bar_m1, ph)
+                        alpha[i] = T.exp2(m_run[i] - m_new[i])
+                        m_run[i] = m_new[i]
+                    for i, j in T.Parallel(HEAD_BLOCK, block_n):
+                        s[i, j] = T.exp2(s[i, j] - m_run[i])
+                    T.reduce_sum(s, l_blk, dim=1)
                     for i in T.Parallel(HEAD_BLOCK):
-                        m_new[i] = m_sh[1][i]
-                else:  # fold in consumer 0's and publish the block pair's max
-                    T.barrier_wait(bar_m0, ph)
-                    for i in T.Parallel(HEAD_BLOCK):
-                        m_new[i] = T.max(m_new[i], m_sh[0][i])
-                        m_sh[1][i] = m_new[i]
-                    T.barrier_arrive(bar_m1)
-                for i in T.Parallel(HEAD_BLOCK):
-                    alpha[i] = T.exp2(m_run[i] - m_new[i])
-                    m_run[i] = m_new[i]
-                for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
-                    s[i, j] = T.exp2(s[i, j] - m_run[i])
-                T.reduce_sum(s, l_blk, dim=1)
-                for i in T.Parallel(HEAD_BLOCK):
-                    l_run[i] = l_run[i] * alpha[i] + l_blk[i]
-                T.copy(s, k_rope[c])  # p [heads, slots] into this buffer's (spent) rope part
-                for i, j in T.Parallel(HEAD_BLOCK, half):
-                    acc[i, j] = acc[i, j] * alpha[i]
-                T.gemm(k_rope[c], k_lat[c][:, cols], acc)  # the fence for p's stores precedes this gemm
-                T.barrier_arrive(bar_p[c])
-                T.barrier_wait(bar_p[o], ph)
-                T.gemm(k_rope[o], k_lat[o][:, cols], acc)
-                T.barrier_arrive(bar_free[0])
-                T.barrier_arrive(bar_free[1])
+                        l_run[i] = l_run[i] * alpha[i] + l_blk[i]
+                    # p_of[b]: the p tile [heads, slots] of the block in buffer b (written by consumer b % 2);
+                    # never bound to a local name (TileLang would rename the shared buffer after it)
+                    T.copy(s, p_of[mine])
+                    for i, j in T.Parallel(HEAD_BLOCK, half):
+                        acc[i, j] = acc[i, j] * alpha[i]
+                    if early_release:  # both take the even block first; each buffer freed after its last use
+                        T.fence_proxy_async()  # p's stores visible to the other consumer's wgmma
+                        T.barrier_arrive(bar_p[c])
+                        if c == 1:
+                            T.barrier_wait(bar_p[0], ph)
+                        T.gemm(p_of[2 * st], k_lat[2 * st][:, cols], acc)
+                        T.barrier_arrive(bar_free[2 * st])
+                        if c == 0:
+                            T.barrier_wait(bar_p[1], ph)
+                        T.gemm(p_of[2 * st + 1], k_lat[2 * st + 1][:, cols], acc)
+                        T.barrier_arrive(bar_free[2 * st + 1])
+                    else:
+                        T.gemm(p_of[mine], k_lat[mine][:, cols], acc)  # the fence for p's stores precedes this gemm
+                        T.barrier_arrive(bar_p[c])
+                        T.barrier_wait(bar_p[o], ph)
+                        T.gemm(p_of[other], k_lat[other][:, cols], acc)
+                        T.barrier_arrive(bar_free[2 * st])
+                        T.barrier_arrive(bar_free[2 * st + 1])
             T.copy(l_run, l_sh[c])
             T.barrier_arrive(bar_l)
             T.barrier_wait(bar_l, 0)
@@ -150,6 +184,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         return run
 
     consumer0, consumer1 = consumer(0), consumer(1)
+    n_buf = 2 * sets
 
     @T.prim_func
     def sparse_mla_fwd_ws_kernel(
@@ -162,17 +197,25 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         with T.Kernel(n_q, hb_n, threads=3 * wg) as (tok, hb):
             q_lat = T.alloc_shared((HEAD_BLOCK, d_v), dtype)
             q_rope = T.alloc_shared((HEAD_BLOCK, d_rope), dtype)
-            k0_lat = T.alloc_shared((BLOCK_N, d_v), dtype)  # kv buffer 0: blocks 2 it
-            k0_rope = T.alloc_shared((BLOCK_N, d_rope), dtype)  # then p of consumer 0 [heads, slots]
-            k1_lat = T.alloc_shared((BLOCK_N, d_v), dtype)  # kv buffer 1: blocks 2 it + 1
-            k1_rope = T.alloc_shared((BLOCK_N, d_rope), dtype)  # then p of consumer 1
+            # kv buffer b of set st holds block 2 (sets it0 + st) + b; with 64-row blocks its rope part then holds
+            # p of consumer b [heads, slots]
+            k0_lat = T.alloc_shared((block_n, d_v), dtype)
+            k0_rope = T.alloc_shared((block_n, d_rope), dtype)
+            k1_lat = T.alloc_shared((block_n, d_v), dtype)
+            k1_rope = T.alloc_shared((block_n, d_rope), dtype)
+            k2_lat = T.alloc_shared((block_n, d_v), dtype) if sets == 2 else None
+            k2_rope = T.alloc_shared((block_n, d_rope), dtype) if sets == 2 else None
+            k3_lat = T.alloc_shared((block_n, d_v), dtype) if sets == 2 else None
+            k3_rope = T.alloc_shared((block_n, d_rope), dtype) if sets == 2 else None
+            p0_sh = T.alloc_shared((HEAD_BLOCK, block_n), dtype) if not p_in_rope else None
+            p1_sh = T.alloc_shared((HEAD_BLOCK, block_n), dtype) if not p_in_rope else None
             m0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # consumer 0's running max after its tile
             m1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # the block pair's max (consumer 1)
             l0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
             l1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
             # register tiles: one set PER CONSUMER (a tile both branches use loses consumer 1's element-wise work in
             # TileLang's lowering: module docstring)
-            s0 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            s0 = T.alloc_fragment((HEAD_BLOCK, block_n), acc_t)
             acc0 = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
             m_run0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             m_new0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
@@ -180,7 +223,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             l_run0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             l_blk0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             lse_f = T.alloc_fragment((HEAD_BLOCK,), acc_t)  # consumer 0 writes lse
-            s1 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            s1 = T.alloc_fragment((HEAD_BLOCK, block_n), acc_t)
             acc1 = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
             m_run1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             m_new1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
@@ -190,11 +233,11 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             row = T.alloc_var(idx_t)
 
             bar_q = T.alloc_barrier(arrive_count=3 * wg)
-            bar_ready = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * 2)  # kv buffer b gathered
-            bar_free = T.alloc_barrier(arrive_count=[2 * wg] * 2)  # kv buffer b read by both consumers
+            bar_ready = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * n_buf)  # kv buffer b gathered
+            bar_free = T.alloc_barrier(arrive_count=[2 * wg] * n_buf)  # kv buffer b read by both consumers
             bar_m0 = T.alloc_barrier(arrive_count=wg)  # m0_sh written
             bar_m1 = T.alloc_barrier(arrive_count=wg)  # m1_sh written
-            bar_p = T.alloc_barrier(arrive_count=[wg] * 2)  # p of consumer c in its rope buffer
+            bar_p = T.alloc_barrier(arrive_count=[wg] * 2)  # p of consumer c stored
             bar_l = T.alloc_barrier(arrive_count=2 * wg)  # both row sums written
 
             h0 = hb * HEAD_BLOCK
@@ -204,49 +247,59 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             T.barrier_arrive(bar_q)
 
             # buffer b's / consumer c's shared tiles (indexed by b or c in the roles below)
-            k_lat, k_rope, m_sh, l_sh = (k0_lat, k1_lat), (k0_rope, k1_rope), (m0_sh, m1_sh), (l0_sh, l1_sh)
+            k_lat = (k0_lat, k1_lat, k2_lat, k3_lat)[:n_buf]
+            k_rope = (k0_rope, k1_rope, k2_rope, k3_rope)[:n_buf]
+            p_of = k_rope if p_in_rope else (p0_sh, p1_sh, p0_sh, p1_sh)[:n_buf]  # buffer b's block's p tile
+            m_sh, l_sh = (m0_sh, m1_sh), (l0_sh, l1_sh)
             bars = (bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l)
             # one if / elif / else chain: separate ifs make TileLang put a block-wide __syncthreads between the roles
             if tx < wg:
-                consumer0(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, m_sh, l_sh, s0, acc0, m_run0, m_new0,
-                          alpha0, l_run0, l_blk0, lse_f, *bars)
+                consumer0(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s0, acc0, m_run0,
+                          m_new0, alpha0, l_run0, l_blk0, lse_f, *bars)
             elif tx < 2 * wg:
-                consumer1(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, m_sh, l_sh, s1, acc1, m_run1, m_new1,
-                          alpha1, l_run1, l_blk1, lse_f, *bars)
-            else:  # producer: gathers block 2 it + b into buffer b
+                consumer1(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s1, acc1, m_run1,
+                          m_new1, alpha1, l_run1, l_blk1, lse_f, *bars)
+            else:  # producer: gathers block 2 it + b into buffer 2 set + b
                 T.set_max_nreg(producer_regs, 0)
                 p = tx - 2 * wg
                 r0 = p // 8
                 col = (p % 8) * 8
-                for it in T.serial(n_pairs):
-                    for b in (0, 1):  # Python-unrolled
-                        T.barrier_wait(bar_free[b], (it & 1) ^ 1)
-                        for r in T.serial(BLOCK_N // ROWS_PER_PASS):
-                            sel = Idx[tok, (2 * it + b) * BLOCK_N + r * ROWS_PER_PASS + r0]
-                            # an unused slot (score masked, p = 0) is not gathered after the first pair: its row
-                            # keeps an earlier block's finite values; the first pair fills it from a clamped row
-                            # (the buffers start uninitialised)
-                            gather = T.if_then_else(sel >= 0, T.if_then_else(sel < n_kv, 1, 0), 0) if skip_unused else 1
-                            if T.if_then_else(it == 0, 1, gather) == 1:
-                                row = T.max(T.min(sel, n_kv - 1), 0)
-                                for u in T.unroll(d_v // 64):
-                                    T.ptx_cp_async(
-                                        T.access_ptr(k_lat[b][r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
-                                        T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
-                                T.ptx_cp_async(T.access_ptr(k_rope[b][r * ROWS_PER_PASS + r0, col], "w", 8),
-                                               T.access_ptr(KV[row, d_v + col], "r", 8), 8)
-                        T.cp_async_barrier_noinc(bar_ready[b])
+                for it0 in T.serial(n_outer):
+                    for st in set_ids:  # Python-unrolled
+                        for b in (0, 1):
+                            buf = 2 * st + b
+                            T.barrier_wait(bar_free[buf], (it0 & 1) ^ 1)
+                            for r in T.serial(block_n // ROWS_PER_PASS):
+                                sel = Idx[tok, (2 * (it0 * sets + st) + b) * block_n + r * ROWS_PER_PASS + r0]
+                                # an unused slot (score masked, p = 0) is not gathered after the first pair: its
+                                # row keeps an earlier block's finite values; the first pair fills it from a clamped
+                                # row (the buffers start uninitialised)
+                                gather = (T.if_then_else(sel >= 0, T.if_then_else(sel < n_kv, 1, 0), 0)
+                                          if skip_unused else 1)
+                                if T.if_then_else(it0 == 0, 1, gather) == 1:
+                                    row = T.max(T.min(sel, n_kv - 1), 0)
+                                    for u in T.unroll(d_v // 64):
+                                        T.ptx_cp_async(
+                                            T.access_ptr(k_lat[buf][r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
+                                            T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
+                                    T.ptx_cp_async(T.access_ptr(k_rope[buf][r * ROWS_PER_PASS + r0, col], "w", 8),
+                                                   T.access_ptr(KV[row, d_v + col], "r", 8), 8)
+                            T.cp_async_barrier_noinc(bar_ready[buf])
 
     return sparse_mla_fwd_ws_kernel
 
 
 #: the tilelang backend's forward: this module's kernel through ``tilelang_sparse_fwd`` (top-k padded to two blocks)
 WS_CONFIG = dict(builder=build_sparse_fwd_ws, topk_multiple=2 * BLOCK_N, consumer_regs=232, producer_regs=40,
-                 fast_math=True)
+                 fast_math=True, early_release=True)
 #: the same kernel with exact exp2f (TileLang's fast-math pass off), for the benchmark's comparison
 WS_EXACT_CONFIG = dict(WS_CONFIG, fast_math=False)
 #: the same kernel gathering a (clamped) row for every slot, unused ones too, for the benchmark's comparison
 WS_GATHER_ALL_CONFIG = dict(WS_CONFIG, skip_unused=False)
+#: schedule variants (``build_sparse_fwd_ws``'s block_n / early_release), for the benchmark's comparison
+WS_LATE_RELEASE_CONFIG = dict(WS_CONFIG, early_release=False)
+WS32_CONFIG = dict(WS_CONFIG, block_n=32, early_release=False)
+WS32_EARLY_CONFIG = dict(WS_CONFIG, block_n=32)
 
 
 def ws_fits(q: torch.Tensor, d_v: int) -> bool:

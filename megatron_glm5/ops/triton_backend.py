@@ -49,16 +49,25 @@ class TritonSettingError(UserError, ValueError):
     """A bad value of one of the Triton backend's environment settings."""
 
 
+def _one_process() -> bool:
+    """No torch.distributed group, or one of a single rank."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
 def defer_kl_default() -> bool:
-    """GLM5_TRITON_DEFER_KL: 1 the deferred indexer KL, 0 (default) the forward-time one. Off by default: on the
-    H200 it saved 10.5 ms of GPU time per proxy step but not step time (docs/design.md), and it has not been run
-    under TP / PP / CP with several processes."""
-    raw = os.environ.get("GLM5_TRITON_DEFER_KL", "0")
-    v = raw.strip().lower()
-    if v not in ("0", "1", "true", "false", "yes", "no", ""):
-        raise TritonSettingError(f"GLM5_TRITON_DEFER_KL={raw!r}: must be 0 or 1 (1: the indexer KL loss computed in "
-                                 "the backward from the sparse-attention backward's head sums; 0: in the forward)")
-    return v in ("1", "true", "yes")
+    """GLM5_TRITON_DEFER_KL: ``auto`` (default) the deferred indexer KL in a one-process run and the forward-time
+    one otherwise; 1 always deferred; 0 never.  On the H200 the deferred KL made the 4-layer proxy step 13.1 ms
+    faster (211.8 vs 224.9 ms, docs/performance.md, session 9); it has not been run under TP / PP / CP with several
+    processes, so those keep the forward-time KL unless set to 1."""
+    raw = os.environ.get("GLM5_TRITON_DEFER_KL", "auto")
+    v = raw.strip().lower() or "auto"
+    if v not in ("auto", "0", "1", "true", "false", "yes", "no"):
+        raise TritonSettingError(f"GLM5_TRITON_DEFER_KL={raw!r}: must be auto, 0 or 1 (1: the indexer KL loss "
+                                 "computed in the backward from the sparse-attention backward's head sums; 0: in the "
+                                 "forward; auto: 1 in a one-process run, else 0)")
+    return _one_process() if v == "auto" else v in ("1", "true", "yes")
 
 
 class TritonBackend(AttentionBackend):
