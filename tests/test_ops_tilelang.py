@@ -351,6 +351,64 @@ def test_backend_autograd_uses_the_chosen_kernels(monkeypatch, bwd):
     assert rel_l2(qg.grad, want_dq) <= 1e-2 and rel_l2(kvg.grad, want_dkv) <= 1e-2
 
 
+def test_deferred_kl_through_the_tilelang_backend(monkeypatch):
+    """GLM5_TRITON_DEFER_KL=1 with the Triton backward: the Triton backend's deferred job, our forward, and the
+    head sums the Triton backward writes handed to the job's KL (stand-ins for the GPU kernels: the forward and
+    backward from the reference, the KL kernel recording what it gets); auto, 0 or our TileLang backward: no job
+    (the forward-time KL)."""
+    from megatron_glm5.ops import triton_kl, triton_sparse_mla
+
+    q, kv, idx = _inputs(5, 8, 64, 12, seed=6, empty_rows=(1,))
+    gen = torch.Generator().manual_seed(6)
+    q_idx, k_idx = torch.randn(5, 4, 16, generator=gen), torch.randn(8, 16, generator=gen)
+    w = torch.randn(5, 4, generator=gen)
+    q_idx, k_idx, w = (t.requires_grad_() for t in (q_idx, k_idx, w))
+    b = TilelangBackend(deterministic=False)
+    job_args = (q_idx, k_idx, w, 0.25, q, DV, idx)
+    monkeypatch.delenv("GLM5_TILELANG_BWD", raising=False)
+    for env in ("auto", "0"):
+        monkeypatch.setenv("GLM5_TRITON_DEFER_KL", env)
+        assert b.deferred_indexer_kl(*job_args) is None
+    monkeypatch.setenv("GLM5_TRITON_DEFER_KL", "1")
+    monkeypatch.setenv("GLM5_TILELANG_BWD", "tilelang")
+    assert b.deferred_indexer_kl(*job_args) is None
+    monkeypatch.delenv("GLM5_TILELANG_BWD")
+
+    calls, got = [], {}
+    written = torch.rand(idx.shape, generator=gen)  # what the stand-in backward writes as head sums
+
+    def fake_fwd(q, kv, indices, scale, d_v, config=None, out=None, lse=None):
+        calls.append(("fwd", (config or {}).get("builder")))
+        o, l_ = reference.sparse_mla(q.float(), kv.float(), indices.long(), scale, d_v)
+        return o.to(q.dtype), l_
+
+    def fake_bwd(q, kv, indices, out, lse, d_out, d_lse, scale, d_v, deterministic, dq=None, head_sums=None):
+        calls.append(("bwd", deterministic))
+        head_sums.copy_(written)
+        with torch.enable_grad():
+            _, _, g_q, g_kv = _reference_grads(q.detach(), kv.detach(), indices, scale, d_out, d_lse)
+        return g_q.to(q.dtype), g_kv.to(kv.dtype)
+
+    def fake_kl_grads(q_idx, k_idx, weights, indices, head_sums, **kw):
+        got["head_sums"] = head_sums.clone()
+        calls.append(("kl", kw["idx_softmax_scale"]))
+        return (torch.tensor(2.0), torch.tensor(4), torch.ones_like(q_idx, dtype=torch.float32),
+                torch.ones_like(k_idx, dtype=torch.float32), torch.ones_like(weights, dtype=torch.float32))
+
+    monkeypatch.setattr(tlm, "tilelang_sparse_fwd", fake_fwd)
+    monkeypatch.setattr(triton_sparse_mla, "sparse_mla_bwd", fake_bwd)
+    monkeypatch.setattr(triton_kl, "indexer_kl_grads", fake_kl_grads)
+    job = b.deferred_indexer_kl(*job_args, on_value=lambda v: got.setdefault("kl", v))
+    assert job is not None
+    qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    o, _ = b.sparse_mla(qg, kvg, idx, 0.07, DV, kl_job=job)
+    ((o.float() * 0.01).sum() + 3.0 * job.token).backward()
+    assert calls == [("fwd", tlws.build_sparse_fwd_ws), ("bwd", False), ("kl", 0.25)]  # in this order
+    assert torch.equal(got["head_sums"], written) and got["kl"].item() == 0.5  # kl_sum / n_tokens
+    assert torch.equal(w.grad, torch.full_like(w, 3.0 / 4))  # d_w x the token's gradient / n_tokens
+    assert qg.grad is not None and kvg.grad is not None
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # CPU with tilelang installed: lower to CUDA source (no GPU needed), nvcc when present
 # ----------------------------------------------------------------------------------------------------------------------

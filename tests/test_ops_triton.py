@@ -189,6 +189,7 @@ def test_backend_registry_and_deterministic_env(monkeypatch):
         registry.get_backend("triton")
     assert registry.get_backend("auto").name == "torch"
     monkeypatch.setattr(base, "cuda_available", lambda: True)
+    monkeypatch.setattr(registry.BACKENDS["tilelang"], "_has_tilelang", False)  # auto's earlier choice, if installed
     assert registry.get_backend("triton") is b and registry.get_backend("auto") is b
     code = ("import os, sys; os.environ['GLM5_TRITON_DETERMINISTIC'] = sys.argv[1]; "
             "from megatron_glm5.ops import triton_sparse_mla as m; print(m.deterministic_default())")

@@ -7,7 +7,8 @@ forward and the Triton two-step backward (``forward_kernel`` / ``backward_kernel
 GLM5_TILELANG_BWD=tilelang select our other kernels) through the backends' autograd Function
 (``base.SparseMLAFunction``); our TileLang backward's deterministic mode is Triton's (``tilelang_sparse_mla_bwd``
 says so, once).  indexer_kl_loss: the fallback's routing and fused indexer side, with
-our one-pass head sums for the target (handed to the fallback as its ``kl_head_probs``).  Every shape the kernels
+our one-pass head sums for the target (handed to the fallback as its ``kl_head_probs``); with
+GLM5_TRITON_DEFER_KL=1 and the Triton backward, the fallback's deferred KL instead (``deferred_indexer_kl``).  Every shape the kernels
 do not take (non-bf16, d_v or d_rope not a power of two; for the KL target also a missing lse) is the fallback's,
 with a warning logged once per reason.  Dense mode (indices None) is the torch reference, as for --attn triton.
 """
@@ -98,7 +99,30 @@ class TilelangBackend(LibraryBackend):
         return self.fallback.indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scale,
                                           chunk_size)
 
-    def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None):
+    def deferred_indexer_kl(self, q_idx, k_idx, weights, idx_softmax_scale, q, d_v, indices, head_sum_reduce=None,
+                            per_token=False, on_value=None):
+        """The Triton backend's deferred KL job (its backward's kernel 1 writes the head sums), only with
+        GLM5_TRITON_DEFER_KL=1 and the Triton backward (GLM5_TILELANG_BWD=triton, the default): ``auto`` keeps the
+        forward-time KL with this backend until the deferred one is measured with it on a GPU."""
+        from . import triton_sparse_mla
+        from .triton_backend import defer_kl_setting
+
+        if defer_kl_setting() != "1" or backward_kernel() is not triton_sparse_mla.sparse_mla_bwd:
+            return None
+        return self.fallback.deferred_indexer_kl(q_idx, k_idx, weights, idx_softmax_scale, q, d_v, indices,
+                                                 head_sum_reduce, per_token, on_value)
+
+    def sparse_mla(self, q, kv, indices, softmax_scale, d_v, key_start=None, query_end=None, chunk_size=None,
+                   kl_job=None):
+        """kl_job: ``deferred_indexer_kl``'s job for the same q, d_v and indices: our forward (the Triton one for
+        shapes it does not take) and the Triton backward handing it the head sums."""
+        if kl_job is not None:
+            from . import triton_sparse_mla
+
+            fwd = (forward_kernel() if tilelang_sparse_mla.tilelang_unsupported_reason(q, kv, d_v) is None
+                   else triton_sparse_mla.sparse_mla_fwd)
+            return triton_sparse_mla.sparse_mla(kl_job.order(q), kv, indices, softmax_scale, d_v, self.deterministic,
+                                                on_head_sums=kl_job.receive, forward=fwd)
         if indices is not None:
             why = tilelang_sparse_mla.tilelang_unsupported_reason(q, kv, d_v) or triton_backward_reason(q, d_v)
             if why is None:

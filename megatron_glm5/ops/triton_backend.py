@@ -56,18 +56,24 @@ def _one_process() -> bool:
     return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
-def defer_kl_default() -> bool:
-    """GLM5_TRITON_DEFER_KL: ``auto`` (default) the deferred indexer KL in a one-process run and the forward-time
-    one otherwise; 1 always deferred; 0 never.  On the H200 the deferred KL made the 4-layer proxy step 13.1 ms
-    faster (211.8 vs 224.9 ms, docs/performance.md, session 9); it has not been run under TP / PP / CP with several
-    processes, so those keep the forward-time KL unless set to 1."""
+def defer_kl_setting() -> str:
+    """GLM5_TRITON_DEFER_KL as "auto" (default), "1" or "0" (``defer_kl_default`` says what each means)."""
     raw = os.environ.get("GLM5_TRITON_DEFER_KL", "auto")
     v = raw.strip().lower() or "auto"
     if v not in ("auto", "0", "1", "true", "false", "yes", "no"):
         raise TritonSettingError(f"GLM5_TRITON_DEFER_KL={raw!r}: must be auto, 0 or 1 (1: the indexer KL loss "
                                  "computed in the backward from the sparse-attention backward's head sums; 0: in the "
                                  "forward; auto: 1 in a one-process run, else 0)")
-    return _one_process() if v == "auto" else v in ("1", "true", "yes")
+    return v if v in ("auto", "0", "1") else ("1" if v in ("true", "yes") else "0")
+
+
+def defer_kl_default() -> bool:
+    """GLM5_TRITON_DEFER_KL: ``auto`` (default) the deferred indexer KL in a one-process run and the forward-time
+    one otherwise; 1 always deferred; 0 never.  On the H200 the deferred KL made the 4-layer proxy step 13.1 ms
+    faster (211.8 vs 224.9 ms, docs/performance.md, session 9); it has not been run under TP / PP / CP with several
+    processes, so those keep the forward-time KL unless set to 1."""
+    v = defer_kl_setting()
+    return _one_process() if v == "auto" else v == "1"
 
 
 class TritonBackend(AttentionBackend):

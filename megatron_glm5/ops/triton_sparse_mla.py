@@ -748,13 +748,18 @@ _DK_MODES = {"in_kernel": 0, "slots": 1, "dense": 2}
 
 def sparse_mla(q, kv, indices, softmax_scale: float, d_v: int,
                deterministic: Optional[bool] = None, head_probs: Optional[torch.Tensor] = None,
-               on_head_sums: Optional[Callable[[torch.Tensor], None]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+               on_head_sums: Optional[Callable[[torch.Tensor], None]] = None,
+               forward: Optional[Callable] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with autograd (dq, dkv): the Triton forward and backward through the backends' one autograd
     Function (``base.SparseMLAFunction``); see the module docstring.  head_probs: as ``sparse_mla_fwd``'s (filled
     by the forward, outside autograd).  on_head_sums: called by the backward with the indexer KL target's head sums
     ([T, topk] fp32, ``sparse_mla_bwd``'s head_sums) once it has computed them (the deferred KL,
-    ``triton_deferred_kl``)."""
-    fwd = sparse_mla_fwd if head_probs is None else functools.partial(sparse_mla_fwd, head_probs=head_probs)
+    ``deferred_kl``).  forward: another forward with ``sparse_mla_fwd``'s contract (the tilelang backend's), in
+    place of the Triton one (not with head_probs)."""
+    if forward is not None and head_probs is not None:
+        raise ValueError("sparse_mla: head_probs is the Triton forward's; not with another forward")
+    fwd = forward or (sparse_mla_fwd if head_probs is None else functools.partial(sparse_mla_fwd,
+                                                                                 head_probs=head_probs))
     bwd = sparse_mla_bwd if on_head_sums is None else functools.partial(_bwd_with_head_sums, on_head_sums)
     return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic, fwd, bwd)
 
