@@ -6,11 +6,11 @@ indexer_topk: our TileLang scores + the Triton backend's exact top-k.  sparse_ml
 forward and the Triton two-step backward (``forward_kernel`` / ``backward_kernel``: GLM5_TILELANG_FWD=plain and
 GLM5_TILELANG_BWD=tilelang select our other kernels) through the backends' autograd Function
 (``base.SparseMLAFunction``); our TileLang backward's deterministic mode is Triton's (``tilelang_sparse_mla_bwd``
-says so, once).  indexer_kl_loss: the fallback's routing and fused indexer side, with
-our one-pass head sums for the target (handed to the fallback as its ``kl_head_probs``); with
-GLM5_TRITON_DEFER_KL=1 and the Triton backward, the fallback's deferred KL instead (``deferred_indexer_kl``).  Every shape the kernels
-do not take (non-bf16, d_v or d_rope not a power of two; for the KL target also a missing lse) is the fallback's,
-with a warning logged once per reason.  Dense mode (indices None) is the torch reference, as for --attn triton.
+says so, once).  indexer_kl_loss: the fallback's routing and fused indexer side, with our one-pass head sums for
+the target (handed to the fallback as its ``kl_head_probs``); with GLM5_TRITON_DEFER_KL=1 and the Triton backward,
+the fallback's deferred KL instead (``deferred_indexer_kl``).  Every shape the kernels do not take (non-bf16, d_v
+or d_rope not a power of two; for the KL target also a missing lse) is the fallback's, with a warning logged once
+per reason.  Dense mode (indices None) is the torch reference, as for --attn triton.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from .tilelang_sparse_mla import TILELANG_INSTALL
 from .triton_backend import TritonBackend
 
 __all__ = ["TilelangBackend", "backward_kernel", "forward_kernel"]
+
 
 class TilelangSettingError(UserError, ValueError):
     """A bad value of one of the TileLang backend's environment settings."""
@@ -42,7 +43,7 @@ def _setting(var: str, choices, what: str) -> str:
 def forward_kernel() -> Callable:
     """The sparse forward ``--attn tilelang`` runs, by GLM5_TILELANG_FWD: ``ws`` (default) our warp-specialised
     kernel (tilelang_sparse_mla_ws; the plain kernel for shapes it does not take), ``plain`` the plain loop
-    (tilelang_sparse_mla.FWD_CONFIG).  On the H200 at S 4096: 3.93 vs 4.87 ms (docs/performance.md)."""
+    (tilelang_sparse_mla.FWD_CONFIG).  On the H200 at S 4096: 2.16 vs 4.83 ms (docs/performance.md, session 9)."""
     if _setting("GLM5_TILELANG_FWD", ("ws", "plain"), "our TileLang sparse forward: the warp-specialised kernel or "
                 "the plain loop") == "ws":
         from .tilelang_sparse_mla_ws import tilelang_sparse_fwd_ws
@@ -54,7 +55,7 @@ def forward_kernel() -> Callable:
 def backward_kernel() -> Callable:
     """The sparse backward ``--attn tilelang`` runs, by GLM5_TILELANG_BWD: ``triton`` (default) the Triton two-step
     backward, ``tilelang`` our TileLang kernel (tilelang_sparse_mla_bwd).  In the H200 proxy step the Triton one
-    takes 7.9 ms per layer against the TileLang kernel's 16.3 (docs/performance.md), so it is the default."""
+    takes 7.6 ms per layer against the TileLang kernel's 16.3 (docs/performance.md), so it is the default."""
     if _setting("GLM5_TILELANG_BWD", ("triton", "tilelang"), "the sparse backward of --attn tilelang: the Triton "
                 "two-step kernels or our TileLang kernel") == "tilelang":
         from .tilelang_sparse_mla_bwd import tilelang_sparse_bwd

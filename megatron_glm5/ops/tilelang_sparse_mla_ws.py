@@ -48,8 +48,8 @@ import torch
 from . import tilelang_sparse_mla
 from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, check_tiles
 
-__all__ = ["WS_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG", "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG",
-           "build_sparse_fwd_ws", "tilelang_sparse_fwd_ws", "ws_fits"]
+__all__ = ["WS_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG", "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG",
+           "WS32_EARLY_CONFIG", "build_sparse_fwd_ws", "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
 PRODUCER_THREADS = 128
