@@ -466,6 +466,15 @@ def test_warp_specialised_kernel_lowers_to_cuda_for_sm90a(tmp_path):
     report = nvcc_cubin(tmp_path, src)
     if report is not None:
         assert " 0 bytes spill stores" in report, report
+    # the 32-row variant: four kv buffers and two p tiles still fit the H200's shared memory, without spills
+    art32 = tlm.lower_artifact(tlws.build_sparse_fwd_ws(64, DV, 64, 2048, DQK ** -0.5, block_n=32))
+    assert (64 * DQK + 4 * 32 * DQK + 2 * 64 * 32) * 2 <= tlm.dynamic_shared_bytes(art32) <= H200_SHARED_BYTES
+    assert art32.kernel_source.count("mbarrier_cp_async_arrive_noinc") == 4  # one per kv buffer
+    report32 = nvcc_cubin(tmp_path, art32.kernel_source)
+    if report32 is not None:
+        assert " 0 bytes spill stores" in report32, report32
+    with pytest.raises(ValueError, match="block_n must be 32 or 64"):
+        tlws.build_sparse_fwd_ws(64, DV, 64, 2048, 0.1, block_n=16)
     with pytest.raises(ValueError, match="d_rope == 64"):
         tlws.build_sparse_fwd_ws(64, DV, 32, 2048, 0.1)
     # 2 x 240 + 32 = 512 > 3 x 168 registers at launch: the consumers' setmaxnreg.inc would wait forever (it hung

@@ -16,17 +16,18 @@ stays 0 are the "no keys" rows.  Head counts that are not a multiple of 64 are z
 dropped).  K is padded with -1 to a multiple of block_n (``base.pad_topk``).  The token count and Tk
 are dynamic in the compiled kernel; one kernel is compiled lazily per (heads, d_v, d_rope, padded K, scale,
 config) and cached.
-Three configurations: FWD_CONFIG (the default; a plain loop, 64 rows per step), PIPELINED_CONFIG (T.Pipelined, two
-stages: the cp.async gather of the next 32 rows overlaps this block's math) and PIPELINED64_CONFIG (the same with 64
-rows, the shape of TileLang's example kernel; not timed yet).  ptxas for sm_90a: 215 registers, no
-spills (default); 255 registers, 4 bytes spilled (pipelined).  On the H200 the default is faster (246 vs 200
-TFLOP/s at S 4096; docs/performance.md).  A fourth, warp-specialised kernel (producer / two consumers, FlashMLA's
-schedule) is ``tilelang_sparse_mla_ws.WS_CONFIG``: a config naming its own ``builder`` is passed through whole (its
-``topk_multiple`` sets the top-k padding, ``fast_math`` TileLang's fast-math pass); it is not the default yet.
+Three configurations here: FWD_CONFIG (this function's default; a plain loop, 64 rows per step), PIPELINED_CONFIG
+(T.Pipelined, two stages: the cp.async gather of the next 32 rows overlaps this block's math) and PIPELINED64_CONFIG
+(the same with 64 rows).  ptxas for sm_90a: 215 registers, no spills (plain); 255 registers, 4 bytes spilled
+(pipelined).  On the H200 at S 4096: plain 242, pipelined64 263 TFLOP/s (docs/performance.md, session 9).  The
+warp-specialised kernel (producer / two consumers, FlashMLA's schedule: 542) is ``tilelang_sparse_mla_ws.WS_CONFIG``
+and the ``--attn tilelang`` forward (``tilelang_backend.forward_kernel``): a config naming its own ``builder`` is
+passed through whole (its ``topk_multiple`` sets the top-k padding, ``fast_math`` TileLang's fast-math pass).
 
-Backward: our TileLang kernel, ``tilelang_sparse_mla_bwd.tilelang_sparse_bwd`` (see that module), through
-the backends' autograd Function (``base.SparseMLAFunction``) with both of ours plugged in; in deterministic mode the
-backward is ``triton_sparse_mla.sparse_mla_bwd`` (logged once).  The backend itself is ``tilelang_backend``.
+Backward: our TileLang kernel, ``tilelang_sparse_mla_bwd.tilelang_sparse_bwd`` (see that module; the backend runs
+Triton's backward unless GLM5_TILELANG_BWD=tilelang), through the backends' autograd Function
+(``base.SparseMLAFunction``); in deterministic mode the backward is ``triton_sparse_mla.sparse_mla_bwd`` (logged
+once).  The backend itself is ``tilelang_backend``.
 ``lower_artifact`` / ``lower_to_cuda`` / ``dynamic_shared_bytes`` lower any of the kernels without a GPU.
 
 Verified: on a CPU-only machine with tilelang 0.1.15, both configurations lower to CUDA source for sm_90a and that
@@ -57,7 +58,7 @@ M_FLOOR = -1.0e30  # starting running max (log2 units): finite, so fully masked 
 FWD_CONFIG = dict(block_n=64, threads=256, num_stages=0)
 PIPELINED_CONFIG = dict(block_n=32, threads=256, num_stages=2)
 #: TileLang's own example kernel's shape (64 rows, two stages): 231,424 bytes of shared memory (226 KiB, the H200
-#: allows 227 KiB), 255 registers, 12 bytes spilled for sm_90a; not timed yet (benchmarks/kernels.py has its row)
+#: allows 227 KiB), 255 registers, 12 bytes spilled for sm_90a; 263 TFLOP/s at S 4096 on the H200
 PIPELINED64_CONFIG = dict(block_n=64, threads=256, num_stages=2)
 
 _KERNELS: Dict[tuple, object] = {}
