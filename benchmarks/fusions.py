@@ -7,7 +7,8 @@
   target's head sums (``head_probs``), the separate head-sum kernel given the forward's lse, and the whole sparse KL
   (head sums + the fused indexer KL kernel, forward-side gradients) either way.
 * ``cross_entropy``: the output layer + LM cross entropy at --ce-tokens tokens x 6144 hidden x 154,880 vocabulary,
-  forward + backward: megatron-core's unfused path against ``--cross-entropy-fusion chunked``; time and the peak
+  forward + backward: megatron-core's unfused path against ``--cross-entropy-fusion chunked`` and ``--fusions
+  auto``'s compiled cross entropy (model/fused_cross_entropy.py) after the same output GEMM; time and the peak
   memory above the inputs.
 * ``proxy``: benchmarks/proxy_step.py's model (GLM-5 width, 4 layers, 256 experts, indexer KL on, --attn triton)
   built once, one training step (forward + backward) with the cross entropy unfused and chunked; median ms and peak
@@ -95,6 +96,7 @@ def bench_kl_target(seq, warmup, reps):
 def bench_cross_entropy(tokens, hidden, vocab, warmup, reps):
     from megatron.core import tensor_parallel
 
+    from megatron_glm5.model import fused_cross_entropy
     from megatron_glm5.model.linear_cross_entropy import chunked_linear_cross_entropy
 
     dev = torch.device("cuda")
@@ -119,7 +121,13 @@ def bench_cross_entropy(tokens, hidden, vocab, warmup, reps):
         loss.sum().backward()
         return loss
 
-    impls = [("unfused", unfused), ("chunked", chunked)]
+    def regions():  # --fusions auto's cross entropy (compiled regions) after the same output GEMM
+        logits = torch.nn.functional.linear(h, wt)
+        loss = fused_cross_entropy.vocab_parallel_cross_entropy(logits, labels, fuse=True)
+        loss.sum().backward()
+        return loss
+
+    impls = [("unfused", unfused), ("chunked", chunked), ("fused_regions", regions)]
     try:  # the peer, when installed: Liger's fused linear + cross entropy (token slices, bf16 / fp32 accumulators)
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
     except ImportError:

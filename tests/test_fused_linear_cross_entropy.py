@@ -7,6 +7,7 @@ import torch
 
 from megatron_glm5.model.cross_entropy_flags import CrossEntropyFusionError, config_overrides
 from megatron_glm5.model.linear_cross_entropy import chunked_linear_cross_entropy
+from thread_group import ThreadGroup
 
 
 def _inputs(seed=0, n=(5, 2), h=16, v=37):
@@ -43,32 +44,13 @@ def test_chunked_matches_textbook_loss_and_grads(chunk):
     assert h.grad[mask == 0].abs().max() == 0  # masked tokens get no gradient
 
 
-class _ThreadGroup:
-    """Two threads as two tensor-parallel ranks: all_reduce (SUM / MAX) through a barrier, in place (a process
-    group under gloo costs two interpreter starts, ~10 s of CPU; the math under test is the same)."""
-
-    def __init__(self, world):
-        import threading
-
-        self.world, self.local, self.barrier = world, threading.local(), threading.Barrier(world)
-        self.slots = [None] * world
-
-    def all_reduce(self, t, op=None, group=None):
-        self.slots[self.local.rank] = t.clone()
-        self.barrier.wait()
-        stacked = torch.stack(self.slots)
-        red = stacked.amax(0) if op == torch.distributed.ReduceOp.MAX else stacked.sum(0)
-        self.barrier.wait()
-        t.copy_(red)
-
-
 def test_chunked_tp2_vocab_parallel(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     from megatron_glm5.model import linear_cross_entropy as lce
 
     world = 2
-    comm = _ThreadGroup(world)
+    comm = ThreadGroup(world)
     monkeypatch.setattr(lce, "_tp", lambda group: (group, comm.local.rank, world))
     monkeypatch.setattr(torch.distributed, "all_reduce", comm.all_reduce)
     hidden, weight, labels, mask, scale = _inputs(seed=1, v=38)

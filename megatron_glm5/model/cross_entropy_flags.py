@@ -21,8 +21,9 @@ class CrossEntropyFusionError(FlagError):
 def add_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("output layer + cross entropy")
     g.add_argument("--cross-entropy-fusion", choices=CE_FUSIONS, default="none",
-                   help="none: megatron-core's output layer, then its vocab-parallel cross entropy (the fp32 "
-                        "[tokens, vocab] softmax is kept for the backward); chunked: output layer + cross entropy "
+                   help="none: megatron-core's output layer, then the vocab-parallel cross entropy (under "
+                        "--fusions auto on a GPU our compiled one, keeping the bf16 logits; else megatron-core's, "
+                        "keeping an fp32 [tokens, vocab] softmax); chunked: output layer + cross entropy "
                         "over token chunks, no [tokens, vocab] tensor kept, one more output GEMM in the backward "
                         "(docs/design.md, 'Fused ops')")
 

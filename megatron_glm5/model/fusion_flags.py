@@ -2,7 +2,8 @@
 cheap to import). The regions themselves: model/fusions.py.
 
 auto: on when CUDA is available -- megatron-core's SwiGLU fusion (``bias_activation_fusion``) and our compiled
-elementwise regions (``elementwise_fusion``); the first training step then compiles them (torch.compile, tens of
+elementwise regions (``elementwise_fusion``: model/fusions.py's regions, the cross entropy of
+model/fused_cross_entropy.py among them); the first training step then compiles them (torch.compile, tens of
 seconds). none: every op eager, as on a CPU. The CPU path is eager either way.
 """
 from __future__ import annotations
@@ -27,8 +28,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("fused elementwise ops")
     g.add_argument("--fusions", choices=FUSIONS, default="auto",
                    help="auto: on a CUDA GPU, RMSNorm, RoPE (+ the MLA / indexer concatenations), the MoE router's "
-                        "top-k and megatron-core's SwiGLU run as torch.compile'd regions (compiled in the first "
-                        "step); none: all eager (docs/design.md, 'Fusions')")
+                        "top-k, the LM cross entropy and megatron-core's SwiGLU run as torch.compile'd regions "
+                        "(compiled in the first step); none: all eager (docs/fusions.md)")
 
 
 def config_overrides(choice: str, cuda: Optional[bool] = None) -> Dict[str, object]:

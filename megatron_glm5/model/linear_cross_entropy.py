@@ -3,7 +3,8 @@ entropy without materialising the logits.
 
 GLM-5's vocabulary has 154,880 entries: at 4096 tokens the unfused path (``--cross-entropy-fusion none``, the
 default: megatron-core's output layer, then ``vocab_parallel_cross_entropy``) keeps bf16 logits (1.2 GiB) and the
-fp32 softmax (2.4 GiB) alive from the forward to the backward.  megatron-core 0.19.2 has no linear + cross entropy
+fp32 softmax (2.4 GiB) alive from the forward to the backward (under ``--fusions auto`` on a GPU the logits only:
+model/fused_cross_entropy.py).  megatron-core 0.19.2 has no linear + cross entropy
 fusion outside Transformer Engine; its ``fused_vocab_parallel_cross_entropy`` (cross_entropy_fusion_impl "native")
 still materialises the logits, and in the tiny model on a CPU (fp32) its gradients differed from the unfused path's
 by up to 0.5 % of each tensor's largest entry (the loss agreed to 1e-5), so it is not offered.

@@ -16,7 +16,7 @@ from megatron_glm5.mcore_patches.record import Phase
 from megatron_glm5.model.attention_inputs import build_attention_inputs
 from megatron_glm5.model.context_parallel import check_context_parallel, default_position_ids
 from megatron_glm5.model.hybridep_dispatcher import hybridep_backend, setup_hybridep_groups
-from megatron_glm5.model import linear_cross_entropy, pipeline_topk
+from megatron_glm5.model import fused_cross_entropy, fusions, linear_cross_entropy, pipeline_topk
 from megatron_glm5.model.spec import decoder_block_spec, mtp_block_spec
 
 
@@ -37,6 +37,15 @@ class GLM5Model(GPTModel):
         if kwargs.get("labels") is not None and getattr(self.config, "cross_entropy_fusion", "none") == "chunked":
             kwargs.setdefault("output_processor", linear_cross_entropy.output_processor)
         return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+
+    def compute_language_model_loss(self, labels, logits):
+        """megatron-core's per-token LM loss [b, s] (main head and MTP); under ``--fusions auto`` on a GPU the same
+        vocabulary-parallel cross entropy in compiled regions without its fp32 copies (model/fused_cross_entropy.py).
+        megatron-core's own ``cross_entropy_loss_fusion`` (TE / "native"), when set, keeps precedence."""
+        if self.config.cross_entropy_loss_fusion or not fusions.on(self.config, logits):
+            return super().compute_language_model_loss(labels, logits)
+        loss = fused_cross_entropy.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), tp_group=self.tp_group)
+        return loss.transpose(0, 1).contiguous()
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None):
