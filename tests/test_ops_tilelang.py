@@ -352,10 +352,12 @@ def test_backend_autograd_uses_the_chosen_kernels(monkeypatch, bwd):
 
 
 def test_deferred_kl_through_the_tilelang_backend(monkeypatch):
-    """GLM5_TRITON_DEFER_KL=1 with the Triton backward: the Triton backend's deferred job, our forward, and the
-    head sums the Triton backward writes handed to the job's KL (stand-ins for the GPU kernels: the forward and
-    backward from the reference, the KL kernel recording what it gets); auto, 0 or our TileLang backward: no job
-    (the forward-time KL)."""
+    """GLM5_TRITON_DEFER_KL auto (one process) or 1 with the Triton backward: the Triton backend's deferred job,
+    our forward, and the head sums the Triton backward writes handed to the job's KL (stand-ins for the GPU kernels:
+    the forward and backward from the reference, the KL kernel recording what it gets); 0, auto under several
+    processes or our TileLang backward: no job (the forward-time KL)."""
+    import torch.distributed as dist
+
     from megatron_glm5.ops import triton_kl, triton_sparse_mla
 
     q, kv, idx = _inputs(5, 8, 64, 12, seed=6, empty_rows=(1,))
@@ -366,13 +368,19 @@ def test_deferred_kl_through_the_tilelang_backend(monkeypatch):
     b = TilelangBackend(deterministic=False)
     job_args = (q_idx, k_idx, w, 0.25, q, DV, idx)
     monkeypatch.delenv("GLM5_TILELANG_BWD", raising=False)
-    for env in ("auto", "0"):
-        monkeypatch.setenv("GLM5_TRITON_DEFER_KL", env)
-        assert b.deferred_indexer_kl(*job_args) is None
-    monkeypatch.setenv("GLM5_TRITON_DEFER_KL", "1")
-    monkeypatch.setenv("GLM5_TILELANG_BWD", "tilelang")
+    monkeypatch.setenv("GLM5_TRITON_DEFER_KL", "0")
     assert b.deferred_indexer_kl(*job_args) is None
-    monkeypatch.delenv("GLM5_TILELANG_BWD")
+    monkeypatch.setenv("GLM5_TRITON_DEFER_KL", "auto")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert b.deferred_indexer_kl(*job_args) is None  # several processes: forward-time
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # one process (another test may have a group)
+    assert b.deferred_indexer_kl(*job_args) is not None
+    for env in ("auto", "1"):
+        monkeypatch.setenv("GLM5_TRITON_DEFER_KL", env)
+        monkeypatch.setenv("GLM5_TILELANG_BWD", "tilelang")
+        assert b.deferred_indexer_kl(*job_args) is None
+        monkeypatch.delenv("GLM5_TILELANG_BWD")
 
     calls, got = [], {}
     written = torch.rand(idx.shape, generator=gen)  # what the stand-in backward writes as head sums

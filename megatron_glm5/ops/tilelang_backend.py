@@ -7,8 +7,9 @@ forward and the Triton two-step backward (``forward_kernel`` / ``backward_kernel
 GLM5_TILELANG_BWD=tilelang select our other kernels) through the backends' autograd Function
 (``base.SparseMLAFunction``); our TileLang backward's deterministic mode is Triton's (``tilelang_sparse_mla_bwd``
 says so, once).  indexer_kl_loss: the fallback's routing and fused indexer side, with our one-pass head sums for
-the target (handed to the fallback as its ``kl_head_probs``); with GLM5_TRITON_DEFER_KL=1 and the Triton backward,
-the fallback's deferred KL instead (``deferred_indexer_kl``).  Every shape the kernels do not take (non-bf16, d_v
+the target (handed to the fallback as its ``kl_head_probs``) when the KL is computed in the forward; with the Triton
+backward and GLM5_TRITON_DEFER_KL auto (the default, one process) or 1, the fallback's deferred KL instead
+(``deferred_indexer_kl``).  Every shape the kernels do not take (non-bf16, d_v
 or d_rope not a power of two; for the KL target also a missing lse) is the fallback's, with a warning logged once
 per reason.  Dense mode (indices None) is the torch reference, as for --attn triton.
 """
@@ -102,13 +103,13 @@ class TilelangBackend(LibraryBackend):
 
     def deferred_indexer_kl(self, q_idx, k_idx, weights, idx_softmax_scale, q, d_v, indices, head_sum_reduce=None,
                             per_token=False, on_value=None):
-        """The Triton backend's deferred KL job (its backward's kernel 1 writes the head sums), only with
-        GLM5_TRITON_DEFER_KL=1 and the Triton backward (GLM5_TILELANG_BWD=triton, the default): ``auto`` keeps the
-        forward-time KL with this backend until the deferred one is measured with it on a GPU."""
+        """The Triton backend's deferred KL job (its backward's kernel 1 writes the head sums) with the Triton
+        backward (GLM5_TILELANG_BWD=triton, the default), as GLM5_TRITON_DEFER_KL says (auto: in a one-process run;
+        ``triton_backend.defer_kl_default``).  On the H200 it took 15.0 ms off the 4-layer proxy step (198.8 vs
+        213.8 ms, docs/performance.md, session 10)."""
         from . import triton_sparse_mla
-        from .triton_backend import defer_kl_setting
 
-        if defer_kl_setting() != "1" or backward_kernel() is not triton_sparse_mla.sparse_mla_bwd:
+        if backward_kernel() is not triton_sparse_mla.sparse_mla_bwd:
             return None
         return self.fallback.deferred_indexer_kl(q_idx, k_idx, weights, idx_softmax_scale, q, d_v, indices,
                                                  head_sum_reduce, per_token, on_value)
