@@ -6,6 +6,8 @@
   bf16; top-k from our Triton indexer on random inputs): the Triton sparse forward alone, the forward writing the KL
   target's head sums (``head_probs``), the separate head-sum kernel given the forward's lse, and the whole sparse KL
   (head sums + the fused indexer KL kernel, forward-side gradients) either way.
+* ``indexer_kl`` (``--parts indexer_kl``, not in the default list): the fused indexer KL kernel alone at each of
+  --seqs, without gradients and with them by each d_k_idx path (atomic / dense, both modes).
 * ``cross_entropy``: the output layer + LM cross entropy at --ce-tokens tokens x 6144 hidden x 154,880 vocabulary,
   forward + backward: megatron-core's unfused path against ``--cross-entropy-fusion chunked`` and ``--fusions
   auto``'s compiled cross entropy (model/fused_cross_entropy.py) after the same output GEMM; time and the peak
@@ -89,6 +91,54 @@ def bench_kl_target(seq, warmup, reps):
     res["saving_per_layer_ms"] = (res["fwd_ms"] + res["kl_separate_ms"]
                                   - res["fwd_with_head_probs_ms"] - res["kl_given_head_probs_ms"])
     del q, kv, qi, ki, w, idx, probs
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench_indexer_kl(seq, warmup, reps):
+    """The fused indexer KL kernel alone (``triton_kl.indexer_kl_grads``, GLM-5's indexer: 32 heads x 128, top-k
+    2048 causal from our indexer, head sums given): without gradients, and with them by each d_k_idx path (fp32
+    atomics / deterministic rows, "dense": scattered into a zeroed matrix + cuBLAS) in both modes; the paths'
+    d_k_idx against the atomic one's on the same inputs."""
+    from megatron_glm5.ops import host_windows, triton_indexer, triton_kl
+
+    dev = torch.device("cuda")
+    qi = torch.empty(seq, HI, DI, device=dev, dtype=torch.bfloat16)
+    ki = torch.empty(seq, DI, device=dev, dtype=torch.bfloat16)
+    w = torch.empty(seq, HI, device=dev, dtype=torch.float32)
+    hs = torch.empty(seq, TOPK, device=dev, dtype=torch.float32)
+
+    def refill():
+        qi.normal_()
+        ki.normal_()
+        w.uniform_(0.1, 1.0)
+        hs.uniform_(0.0, 1.0)
+
+    refill()
+    ks = torch.zeros(seq, device=dev, dtype=torch.int64)
+    qe = torch.arange(seq, device=dev, dtype=torch.int64)
+    idx = triton_indexer.indexer_topk(qi, ki, w * HI ** -0.5, TOPK, ks, qe, DI ** -0.5)
+    if host_windows.row_ends(idx) is None:  # causal windows: row t selects no key above t
+        host_windows.remember_row_ends(idx, torch.arange(seq, dtype=torch.int64))
+    res = {"seq": seq}
+
+    def run(need_grad, det=False, dk="atomic"):
+        return triton_kl.indexer_kl_grads(qi, ki, w, idx, hs, DI ** -0.5, deterministic=det, need_grad=need_grad,
+                                          config=dict(DK=dk))
+
+    res["no_grad_ms"] = timed(lambda: run(False), refill, warmup, reps)
+    for det in (False, True):
+        for dk in ("atomic", "dense"):
+            name = f"{dk}_{'deterministic' if det else 'atomic_mode'}"
+            res[f"{name}_ms"] = timed(lambda: run(True, det, dk), refill, warmup, reps)
+    refill()
+    dk_ref = run(True)[3]
+    for det, dk in ((True, "atomic"), (False, "dense"), (True, "dense")):
+        got = run(True, det, dk)[3]
+        res[f"{dk}_{'det' if det else 'atomic_mode'}_dk_rel_diff"] = float((got - dk_ref).norm() / dk_ref.norm())
+    again = run(True, True, "dense")[3]
+    res["dense_bitwise_repeat"] = bool(torch.equal(again, run(True, True, "dense")[3]))
+    del qi, ki, w, hs, idx
     torch.cuda.empty_cache()
     return res
 
@@ -317,6 +367,9 @@ def main(argv=None):
     if "kl_target" in parts:
         out["kl_target"] = [bench_kl_target(s, args.warmup, args.reps) for s in args.seqs]
         print(json.dumps(out["kl_target"]), flush=True)
+    if "indexer_kl" in parts:
+        out["indexer_kl"] = [bench_indexer_kl(s, args.warmup, args.reps) for s in args.seqs]
+        print(json.dumps(out["indexer_kl"]), flush=True)
     if "cross_entropy" in parts:
         out["cross_entropy"] = bench_cross_entropy(args.ce_tokens, 6144, 154880, args.warmup, args.reps)
         print(json.dumps(out["cross_entropy"]), flush=True)

@@ -53,10 +53,16 @@ MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("p
                 ("cp", True, "dense_chunked"), ("packed", True, "dense_chunked_split1"),
                 ("cp", False, "dense_chunked_split3"), ("empty_rows", False, "dense_host_bounds"),
                 ("cp", True, "dense_chunked_host_bounds")]
-# indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block); top-k 8 / 16 / 12 below, so
-# block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12)
-KL_MODES = [("packed", False, True, 16), ("packed", True, False, 8), ("cp", True, True, 8),
-            ("cp", False, False, 16), ("empty_rows", False, True, 8), ("empty_rows", True, True, 16)]
+# indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block, d_k_idx path); top-k 8 / 16 / 12
+# below, so block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12). Paths
+# (tests/triton_interp_runner.KL_DK): "auto" without host row bounds (atomics / deterministic rows), "dense" with the
+# indexer's host bounds (loose ones), in chunks of 3 query rows, and asked for without bounds (falls back)
+KL_MODES = [("packed", False, True, 16, "auto"), ("packed", True, False, 8, "auto"), ("cp", True, True, 8, "auto"),
+            ("cp", False, False, 16, "auto"), ("empty_rows", False, True, 8, "auto"),
+            ("empty_rows", True, True, 16, "auto"), ("packed", False, True, 8, "dense"),
+            ("cp", True, False, 16, "dense_chunked"), ("empty_rows", False, True, 8, "dense_chunked"),
+            ("cp", False, True, 8, "auto_bounds"), ("empty_rows", True, False, 8, "auto_bounds"),
+            ("packed", True, True, 16, "dense_no_bounds")]
 TOPK_CASES = [("batch2", 5), ("packed", 64), ("cp", 5), ("empty_rows", 64)]  # 64: more than any window
 
 
@@ -147,11 +153,13 @@ def test_interp_sparse_mla_bwd_variants(interp, name, deterministic, variant):
 
 
 @needs_triton
-@pytest.mark.parametrize("name,deterministic,with_lse,block_n", KL_MODES)
-def test_interp_indexer_kl_loss(interp, name, deterministic, with_lse, block_n):
+@pytest.mark.parametrize("name,deterministic,with_lse,block_n,dk", KL_MODES)
+def test_interp_indexer_kl_loss(interp, name, deterministic, with_lse, block_n, dk):
     cases, res = interp
     c = cases[f"kl_{name}"]
-    got = res[f"kl_{name}"][deterministic, with_lse, block_n]
+    got = res[f"kl_{name}"][deterministic, with_lse, block_n, dk]
+    # the path the variant is about: auto takes the dense one with bounds in deterministic mode only
+    assert got["dense"] == (dk in ("dense", "dense_chunked") or (dk == "auto_bounds" and deterministic))
     from triton_interp_runner import HOOKS
 
     q_idx = c["q_idx"].to(F64).requires_grad_()
@@ -383,6 +391,21 @@ def test_gpu_indexer_kl_loss_real_shapes():
         if det:
             det_grads.append(a[1].grad)
     assert torch.equal(det_grads[0], det_grads[1])  # deterministic d_k_idx: bitwise the same run to run
+    # the dense d_k_idx path, with the host row bounds the indexer leaves (here: read back), either mode
+    from megatron_glm5.ops import host_windows
+    idx_b = idx.clone()
+    host_windows.remember_row_ends(idx_b, idx_b.max(1).values.long().cpu())
+    dense_grads = []
+    for det in (False, True):
+        a = [x.clone().requires_grad_() for x in (qi, ki, w)]
+        kl_t, n_t = triton_kl.indexer_kl_loss_sparse(a[0], a[1], a[2], DI ** -0.5, q, kv, DQK ** -0.5, idx_b, DV,
+                                                     attn_lse=lse, deterministic=det, config=dict(DK="dense"))
+        kl_t.backward()
+        assert n_t == n_r and abs(float(kl_t - kl_r)) <= 1e-2 * abs(float(kl_r))
+        for x, gr, name in zip(a, g_r, ("d_q_idx", "d_k_idx", "d_w")):
+            assert not x.grad.isnan().any() and rel_l2(x.grad, gr) <= 1e-2, (name, det, rel_l2(x.grad, gr))
+        dense_grads.append(a[1].grad)
+    assert torch.equal(dense_grads[0], dense_grads[1])  # no atomics: the same bits in both modes
 
 
 def test_head_dims_below_the_dot_minimum_fall_back_on_a_gpu(monkeypatch):

@@ -60,22 +60,38 @@ def run_mla(c):
     return res
 
 
+# the indexer KL's d_k_idx paths (test_ops_triton.KL_MODES): config overrides, and whether host row bounds are left
+KL_DK = {"auto": ({}, False), "auto_bounds": ({}, True), "dense": (dict(DK="dense"), True),
+         "dense_chunked": (dict(DK="dense", DENSE_ROWS=3), True), "dense_no_bounds": (dict(DK="dense"), False)}
+
+
 def run_kl(c):
-    """Each mode: (deterministic d_k_idx, the forward's lse passed or not, KL block size)."""
-    from megatron_glm5.ops import triton_kl, triton_sparse_mla
+    """Each mode: (deterministic d_k_idx, the forward's lse passed or not, KL block size, d_k_idx path)."""
+    from megatron_glm5.ops import host_windows, triton_kl, triton_sparse_mla
 
     lse = triton_sparse_mla.sparse_mla_fwd(c["q"], c["kv"], c["indices"], c["scale"], c["d_v"])[1]
     res = {}
-    for det, with_lse, block_n in c["modes"]:
+    real_mm = triton_kl._mm_fp32
+    for det, with_lse, block_n, dk in c["modes"]:
+        overrides, bounds = KL_DK[dk]
+        indices = c["indices"].clone()
+        if bounds:  # as the indexer leaves them: loose bounds (+2) still hold
+            top = indices.max(1).values.long()
+            host_windows.remember_row_ends(indices, torch.where(top >= 0, (top + 2).clamp(max=c["kv"].shape[0] - 1),
+                                                                -1))
+        products = []
+        triton_kl._mm_fp32 = lambda a, b: products.append(1) or real_mm(a, b)
         q_idx = c["q_idx"].clone().requires_grad_()
         k_idx = c["k_idx"].clone().requires_grad_()
         w = c["weights"].clone().requires_grad_()
         kl, n = triton_kl.indexer_kl_loss_sparse(
-            q_idx, k_idx, w, c["idx_scale"], c["q"], c["kv"], c["scale"], c["indices"], c["d_v"],
+            q_idx, k_idx, w, c["idx_scale"], c["q"], c["kv"], c["scale"], indices, c["d_v"],
             token_mask=c.get("token_mask"), head_sum_reduce=HOOKS[c.get("hook", "none")],
-            attn_lse=lse if with_lse else None, deterministic=det, config=dict(BLOCK_N=block_n))
+            attn_lse=lse if with_lse else None, deterministic=det, config=dict(BLOCK_N=block_n, **overrides))
         kl.backward()
-        res[det, with_lse, block_n] = dict(kl=kl.detach(), n=n, d_q_idx=q_idx.grad, d_k_idx=k_idx.grad, d_w=w.grad)
+        triton_kl._mm_fp32 = real_mm
+        res[det, with_lse, block_n, dk] = dict(kl=kl.detach(), n=n, d_q_idx=q_idx.grad, d_k_idx=k_idx.grad,
+                                               d_w=w.grad, dense=bool(products))
     return res
 
 

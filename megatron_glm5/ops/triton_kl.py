@@ -11,8 +11,15 @@ Two kernels, one program per query token each; nothing of size [T, h, K] or [T, 
   z_j = sum_h w_h relu(idx_scale * q_idx[t, h] . k_idx[j]) and their log-sum-exp (and sums P for the target's
   normalisation); pass 2 recomputes z, adds the token's KL(target || softmax(z)) and, when gradients are needed,
   g = softmax(z) - target, dw = sum_j g_j relu(a_hj), da = g w (a > 0) idx_scale, dq_idx = da . K, and dk_idx rows
-  += da^T q_idx -- fp32 atomics, or (deterministic mode) per-(token, slot) rows reduced by key in a fixed order with
-  the sparse-MLA backward's segmented sum.
+  += da^T q_idx, by ``KL_CONFIG["DK"]``: "dense" -- the kernel scatters da into a zeroed [keys, (query, head)]
+  matrix per chunk of query rows (keys below the chunk's end, from the host row bounds the indexer left for the
+  top-k tensor, ``host_windows.row_ends``) and one cuBLAS GEMM with an fp32 result contracts it with the chunk's
+  q_idx: deterministic, no atomics; "atomic" -- fp32 atomics, or (deterministic mode) per-(token, slot) rows reduced
+  by key in a fixed order with the sparse-MLA backward's segmented sum.  "auto" (default): "dense" in deterministic
+  mode when the bounds are known and n_keys <= DENSE_KEY_RATIO["deterministic"] x top-k, else "atomic".  H200,
+  causal, GLM-5's indexer (``benchmarks/fusions.py --parts indexer_kl``, docs/performance.md, session 10): S 4096
+  atomic 3.31 / dense 3.35 ms in atomic mode, deterministic rows 5.83 / dense 3.30; S 32768 23.7 / 40.6 and
+  46.3 / 41.2 -- so atomic mode keeps its atomics.
 Same contract and formulas as ``reference.indexer_kl_loss`` (its tests compare against it); the gradients are
 computed in the forward and scaled in backward by ``reference._IndexerKLFunction``.  ``indexer_kl_grads`` is the
 second kernel alone, given the head sums: the deferred KL (``deferred_kl``, the Triton backend's default) calls it
@@ -29,14 +36,17 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import reference, triton_interpret_compat
-from .triton_sparse_mla import (DET_BUFFER_BYTES, LOG2E, _block_h, _check, _load_query, _load_selected, _mma, _scores,
+from . import host_windows
+from .triton_sparse_mla import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, LOG2E, PDS_BUFFER_BYTES, _block_h, _check,
+                                _chunk_rows, _host_chunk_key_ends, _load_query, _load_selected, _mm_fp32, _mma, _scores,
                                 _segment_reduce_into, deterministic_default)
 
 triton_interpret_compat.apply()
 
 # tuned on the H200 (docs/performance.md, "Kernels")
 PROB_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)  # 3.40 ms at S 4096 (64/8/2: 3.82; 128/8/2: no smem)
-KL_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3)  # 6.51 ms at S 4096, 14.1 at 8192 (32/4/3: 6.91, 14.6)
+# DK: "auto", "dense" or "atomic" (the module docstring); DENSE_ROWS: query rows per dense chunk at most
+KL_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3, DK="auto", DENSE_ROWS=1024)
 KL_FALLBACK = dict(BLOCK_N=32, num_warps=4, num_stages=1)
 
 
@@ -127,11 +137,11 @@ def _index_logits_block(IDX_ROW, KI, stride_kit, slot, topk, n_keys, offs_d, qi,
 
 @triton.jit
 def _indexer_kl_kernel(
-    QI, KI, W, IDX, P, CNT, KL, DQI, DW, DKI, BUF,
+    QI, KI, W, IDX, P, CNT, KL, DQI, DW, DKI, BUF, G,
     stride_qit, stride_qih, stride_kit, stride_wt, stride_it, stride_pt,
-    t0, n_heads, n_keys, topk, scale,
+    t0, n_heads, n_keys, topk, scale, g_stride, key_end,
     DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NEED_GRAD: tl.constexpr, ATOMIC: tl.constexpr,
-    IEEE: tl.constexpr,
+    DENSE: tl.constexpr, IEEE: tl.constexpr,
 ):
     tl_ = tl.program_id(0).to(tl.int64)  # row inside this launch's query range
     t = t0 + tl_
@@ -179,11 +189,15 @@ def _indexer_kl_kernel(
             dw += tl.sum(g[None, :] * tl.maximum(a, 0.0), axis=1)
             da = tl.where(a > 0, g[None, :] * w[:, None] * scale, 0.0).to(k.dtype)
             dqi = _mma(da, k, dqi, IEEE)
-            dk = _mma(tl.trans(da), qi, tl.zeros([BLOCK_N, DI], tl.float32), IEEE)
-            if ATOMIC:
+            if DENSE:  # G[key, row * n_heads + head] of this chunk (zeroed; keys below key_end by the host bounds)
+                gp = G + tl.where(ok, idx, 0)[:, None] * g_stride + tl_ * n_heads + offs_h[None, :]
+                tl.store(gp, tl.trans(da), mask=(ok & (idx < key_end))[:, None] & h_ok[None, :])
+            elif ATOMIC:
+                dk = _mma(tl.trans(da), qi, tl.zeros([BLOCK_N, DI], tl.float32), IEEE)
                 tl.atomic_add(DKI + tl.where(ok, idx, 0)[:, None] * DI + offs_d[None, :], dk, mask=ok[:, None],
                               sem="relaxed")
             else:
+                dk = _mma(tl.trans(da), qi, tl.zeros([BLOCK_N, DI], tl.float32), IEEE)
                 brow = BUF + (tl_ * topk + slot)[:, None] * DI + offs_d[None, :]
                 tl.store(brow, dk, mask=(slot < topk)[:, None])
     tl.store(KL + t, kl)
@@ -192,8 +206,19 @@ def _indexer_kl_kernel(
         tl.store(DW + t * n_heads + offs_h, dw, mask=h_ok)
 
 
+def _dk_dense(cfg: dict, row_hi, n_keys: int, topk: int, det: bool) -> bool:
+    """Whether d_k_idx takes the dense path (module docstring): needs the host row bounds (``row_hi``)."""
+    mode = cfg.get("DK", "auto")
+    if mode not in ("auto", "dense", "atomic"):
+        raise ValueError(f"triton indexer KL: unknown DK mode {mode!r} (auto, dense, atomic)")
+    if mode == "atomic" or row_hi is None:
+        return False
+    return mode == "dense" or (det and n_keys / max(1, min(topk, n_keys)) <= DENSE_KEY_RATIO["deterministic"])
+
+
 def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, need_grad, deterministic, config):
     """(per-token KL [T] fp32, d_q_idx, d_k_idx, d_w fp32 or None)."""
+    row_hi = host_windows.row_ends(indices) if need_grad else None
     q_idx, k_idx, indices = q_idx.detach().contiguous(), k_idx.detach().contiguous(), indices.contiguous()
     weights = weights.detach().contiguous()
     n_q, n_heads, d_i = q_idx.shape
@@ -205,25 +230,41 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
     d_ki = torch.zeros(n_keys, d_i, dtype=torch.float32, device=dev) if need_grad else None
     if n_q == 0 or topk == 0:
         return kl, d_qi, d_ki, d_w
-    det = need_grad and deterministic
-    rows = max(1, min(n_q, DET_BUFFER_BYTES // max(1, topk * d_i * 4))) if det else n_q
+    cfg0 = dict(KL_CONFIG, **(config or {}))
+    dense = need_grad and _dk_dense(cfg0, row_hi, n_keys, topk, deterministic)
+    det = need_grad and deterministic and not dense  # the dense path is deterministic by itself
+    if dense:
+        rows = min(int(cfg0["DENSE_ROWS"]), _chunk_rows(n_q, n_keys * n_heads * k_idx.element_size(),
+                                                        PDS_BUFFER_BYTES))
+        ends = _host_chunk_key_ends(row_hi, range(0, n_q, rows), rows, n_keys)
+        g_buf = torch.empty(max(1, max(ends) * rows * n_heads), dtype=k_idx.dtype, device=dev)
+    else:
+        rows = max(1, min(n_q, DET_BUFFER_BYTES // max(1, topk * d_i * 4))) if det else n_q
+        g_buf = kl  # an unused pointer
     buf = torch.empty(rows * topk, d_i, dtype=torch.float32, device=dev) if det else kl
     cnt = counted.to(torch.int8).contiguous()
     dummy = kl
-    configs = [dict(KL_CONFIG, **(config or {}))] + ([KL_FALLBACK] if config is None else [])
+    configs = [cfg0] + ([dict(cfg0, **KL_FALLBACK)] if config is None else [])
     while True:
         cfg = configs.pop(0)
         try:
-            for t0 in range(0, n_q, rows):
+            for i, t0 in enumerate(range(0, n_q, rows)):
                 n = min(rows, n_q - t0)
+                key_end = ends[i] if dense else 0
+                if dense:
+                    g_buf[:key_end * n * n_heads].zero_()
                 _indexer_kl_kernel[(n,)](
                     q_idx, k_idx, weights, indices, head_sums, cnt, kl,
                     d_qi if need_grad else dummy, d_w if need_grad else dummy, d_ki if need_grad else dummy, buf,
-                    q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), indices.stride(0),
-                    head_sums.stride(0), t0, n_heads, n_keys, topk, float(idx_scale),
+                    g_buf, q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), indices.stride(0),
+                    head_sums.stride(0), t0, n_heads, n_keys, topk, float(idx_scale), n * n_heads, key_end,
                     DI=d_i, BLOCK_H=_block_h(n_heads), BLOCK_N=cfg["BLOCK_N"], NEED_GRAD=need_grad, ATOMIC=not det,
-                    IEEE=q_idx.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                    DENSE=dense, IEEE=q_idx.dtype == torch.float32, num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"],
                 )
+                if dense and key_end > 0:
+                    d_ki[:key_end] += _mm_fp32(g_buf[:key_end * n * n_heads].view(key_end, n * n_heads),
+                                               q_idx[t0:t0 + n].reshape(n * n_heads, d_i))
                 if det:
                     _segment_reduce_into(d_ki, buf, indices[t0:t0 + n], 1)
             return kl, d_qi, d_ki, d_w
