@@ -285,12 +285,11 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
                                    (", narrow", tilelang_sparse_mla_bwd.NARROW_BWD_CONFIG)), reps, 2.5 * p.fwd_flop)
     from megatron_glm5.ops import cudnn_backend
 
-    try:  # peer kernels, when the cuDNN frontend's DSA imports here
-        cudnn_backend.import_dsa()
-        has_cudnn = True
-    except Exception as e:
-        has_cudnn = False
-        log(f"(cuDNN DSA not timed: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__})")
+    # peer kernels, when the cuDNN frontend's DSA ops load here (the backend's probe loads each op's CuTe-DSL module)
+    cudnn = cudnn_backend.CudnnBackend()
+    has_cudnn = cudnn.has_dsa()
+    if not has_cudnn:
+        log(f"(cuDNN DSA not timed: {cudnn.unavailable_reason()[:200]})")
     if has_cudnn:
         add("sparse_mla bwd (cuDNN DSA)", timed(
             lambda: cudnn_backend.cudnn_sparse_backward(p.q, p.kv, p.indices, out, lse, p.d_out, p.scale),

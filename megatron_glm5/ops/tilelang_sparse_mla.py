@@ -20,7 +20,7 @@ Three configurations here: FWD_CONFIG (this function's default; a plain loop, 64
 (T.Pipelined, two stages: the cp.async gather of the next 32 rows overlaps this block's math) and PIPELINED64_CONFIG
 (the same with 64 rows).  ptxas for sm_90a: 215 registers, no spills (plain); 255 registers, 4 bytes spilled
 (pipelined).  On the H200 at S 4096: plain 242, pipelined64 263 TFLOP/s (docs/performance.md, session 9).  The
-warp-specialised kernel (producer / two consumers, FlashMLA's schedule: 542) is ``tilelang_sparse_mla_ws.WS_CONFIG``
+warp-specialised kernel (producer / two consumers, FlashMLA's schedule: 542-559 at S 4096) is ``tilelang_sparse_mla_ws.WS_CONFIG``
 and the ``--attn tilelang`` forward (``tilelang_backend.forward_kernel``): a config naming its own ``builder`` is
 passed through whole (its ``topk_multiple`` sets the top-k padding, ``fast_math`` TileLang's fast-math pass).
 

@@ -1,9 +1,9 @@
 """Our warp-specialised TileLang sparse MLA forward (``WS_CONFIG``): the ``--attn tilelang`` forward
 (``tilelang_backend.forward_kernel``; ``GLM5_TILELANG_FWD=plain`` selects the plain loop instead).
 
-Status (2026-12-01, session 9): passes the GPU tests of tests/test_ops_tilelang.py on the H200 and runs at 542
-TFLOP/s at S 4096 and 499-504 at 32768 (docs/performance.md).  ptxas: 168 registers at launch, no spills, 222,208 bytes
-of dynamic shared memory.  Two earlier failures the builder and tests now guard against: 240 / 32 registers per
+Status (2026-12-01): passes the GPU tests of tests/test_ops_tilelang.py on the H200 and runs at 556-559 TFLOP/s at
+S 4096 and 529 at 32768 (session 10; 542 / 499-504 in session 9 on another H200; docs/performance.md).  ptxas: 168
+registers at launch, no spills, 222,208 bytes of dynamic shared memory.  Two earlier failures the builder and tests now guard against: 240 / 32 registers per
 consumer / producer thread asked 8 more than the block holds (2 x 240 + 32 > 3 x 168), so the consumers'
 setmaxnreg.inc waited forever (the builder rejects such counts; 232 / 40 by default); and both consumers used ONE
 set of register tiles, which TileLang 0.1.15 binds to the threads of the first branch that uses it, dropping the
