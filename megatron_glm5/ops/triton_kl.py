@@ -35,8 +35,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import reference, triton_interpret_compat
-from . import host_windows
+from . import host_windows, reference, triton_interpret_compat
 from .triton_sparse_mla import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, LOG2E, PDS_BUFFER_BYTES, _block_h, _check,
                                 _chunk_rows, _host_chunk_key_ends, _load_query, _load_selected, _mm_fp32, _mma, _scores,
                                 _segment_reduce_into, deterministic_default)
