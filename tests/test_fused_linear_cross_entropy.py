@@ -51,7 +51,7 @@ def test_chunked_tp2_vocab_parallel(monkeypatch):
 
     world = 2
     comm = ThreadGroup(world)
-    monkeypatch.setattr(lce, "_tp", lambda group: (group, comm.local.rank, world))
+    monkeypatch.setattr(lce, "tp_shard", lambda group: (group, comm.local.rank, world))
     monkeypatch.setattr(torch.distributed, "all_reduce", comm.all_reduce)
     hidden, weight, labels, mask, scale = _inputs(seed=1, v=38)
     shard = weight.shape[0] // world

@@ -408,6 +408,28 @@ def test_gpu_indexer_kl_loss_real_shapes():
     assert torch.equal(dense_grads[0], dense_grads[1])  # no atomics: the same bits in both modes
 
 
+@needs_triton
+def test_indexer_kl_dense_dk_choice_and_its_fallback_is_logged(caplog, monkeypatch):
+    """DK "auto": dense only in deterministic mode with host bounds and few enough keys; "dense" asked for top-k lists
+    without bounds says once that it takes the atomic path; an unknown mode is refused."""
+    import logging
+
+    from megatron_glm5.ops import base, triton_kl
+
+    monkeypatch.setattr(base, "_warned", set())  # warn_once: not already said by another test in this process
+    bounds = torch.zeros(4, dtype=torch.int64)
+    assert triton_kl._dk_dense({"DK": "auto"}, bounds, 4096, 2048, True)
+    assert not triton_kl._dk_dense({"DK": "auto"}, bounds, 4096, 2048, False)
+    assert not triton_kl._dk_dense({"DK": "auto"}, bounds, 32768 * 2, 2048, True)  # ratio 32 > 20
+    assert not triton_kl._dk_dense({"DK": "auto"}, None, 4096, 2048, True)
+    assert triton_kl._dk_dense({"DK": "dense"}, bounds, 32768 * 2, 2048, False)
+    with caplog.at_level(logging.WARNING, logger="megatron_glm5.ops"):
+        assert not triton_kl._dk_dense({"DK": "dense"}, None, 4096, 2048, False)
+    assert "DK='dense' needs the host row bounds" in caplog.text and "atomic d_k_idx path" in caplog.text
+    with pytest.raises(ValueError, match="unknown DK mode 'fast'"):
+        triton_kl._dk_dense({"DK": "fast"}, bounds, 4096, 2048, False)
+
+
 def test_head_dims_below_the_dot_minimum_fall_back_on_a_gpu(monkeypatch):
     """The tiny presets' d_rope 8 cannot go through tl.dot on a GPU (a compile error there; the interpreter does
     not check): the backend names the reason and uses the reference instead."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_glm5.model import fusions
+from megatron_glm5.model import fusions, linear_cross_entropy
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -53,17 +53,11 @@ def _logits_grad(logits: torch.Tensor, row_max: torch.Tensor, sum_exp: torch.Ten
     return ((p - hit) * grad.float().unsqueeze(-1)).to(logits.dtype)
 
 
-def _tp(group):
-    if group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
-        return None, 0
-    return group, torch.distributed.get_rank(group)
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, fuse):
-        group, rank = _tp(group)
+        group, rank, _ = linear_cross_entropy.tp_shard(group)
         local_target = target - rank * logits.shape[-1]
         row_max = _row_max(logits, fuse=fuse)
         if group is not None:

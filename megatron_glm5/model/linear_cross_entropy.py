@@ -32,14 +32,15 @@ import torch
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_sequence_parallel_region)
 
-__all__ = ["CHUNK_BYTES", "ChunkedLinearCrossEntropy", "chunked_linear_cross_entropy", "output_processor"]
+__all__ = ["CHUNK_BYTES", "ChunkedLinearCrossEntropy", "chunked_linear_cross_entropy", "output_processor", "tp_shard"]
 
 #: fp32 logits held at once (a [tokens, CHUNK_BYTES / 4 / tokens] slice of the vocabulary: 5 slices of GLM-5's
 #: 154,880 entries at 4096 tokens)
 CHUNK_BYTES = 512 << 20
 
 
-def _tp(group):
+def tp_shard(group):
+    """(group, this rank, world size) of a vocabulary-parallel group; (None, 0, 1) without one (or of one rank)."""
     if group is None or not torch.distributed.is_initialized() or torch.distributed.get_world_size(group) == 1:
         return None, 0, 1
     return group, torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
@@ -65,7 +66,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, tp_group, chunk):
-        group, rank, _ = _tp(tp_group)
+        group, rank, _ = tp_shard(tp_group)
         n, v_local = hidden.shape[0], weight.shape[0]
         offset = rank * v_local
         m = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)

@@ -36,6 +36,7 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import host_windows, reference, triton_interpret_compat
+from .base import warn_once
 from .triton_sparse_mla import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, LOG2E, PDS_BUFFER_BYTES, _block_h, _check,
                                 _chunk_rows, _host_chunk_key_ends, _load_query, _load_selected, _mm_fp32, _mma, _scores,
                                 _segment_reduce_into, deterministic_default)
@@ -210,6 +211,9 @@ def _dk_dense(cfg: dict, row_hi, n_keys: int, topk: int, det: bool) -> bool:
     mode = cfg.get("DK", "auto")
     if mode not in ("auto", "dense", "atomic"):
         raise ValueError(f"triton indexer KL: unknown DK mode {mode!r} (auto, dense, atomic)")
+    if mode == "dense" and row_hi is None:
+        warn_once("triton", "indexer KL: DK='dense' needs the host row bounds our indexer leaves for its top-k lists "
+                  "(these have none)", "the atomic d_k_idx path")
     if mode == "atomic" or row_hi is None:
         return False
     return mode == "dense" or (det and n_keys / max(1, min(topk, n_keys)) <= DENSE_KEY_RATIO["deterministic"])
