@@ -76,7 +76,7 @@ def run(s: int, reps: int) -> dict:
                                                                                   attn_lse=lse), reps),
         "indexer KL kernel (grads)": timed(lambda: kl(hs), reps),
         "delta: torch fp32 expression": timed(lambda: (d_out.float() * out.float()).sum(-1), reps),
-        "delta: Triton kernel": timed(lambda: tsm._delta(out, d_out, None), reps),
+        "delta: Triton kernel": timed(lambda: tsm.bwd_delta(out, d_out, None), reps),
         "layer, forward-time KL": timed(forward_time, reps),
         "layer, deferred KL": timed(deferred, reps),
     }
@@ -85,7 +85,7 @@ def run(s: int, reps: int) -> dict:
     d_ref = (d_out.float() * out.float()).sum(-1)
     return dict(seq=s, ms={k: round(v, 3) for k, v in rows.items()},
                 head_sums_max_abs_diff=float((hs - ref).abs().max()),
-                delta_max_rel_diff=float(((tsm._delta(out, d_out, None) - d_ref).abs().max()
+                delta_max_rel_diff=float(((tsm.bwd_delta(out, d_out, None) - d_ref).abs().max()
                                           / d_ref.abs().max().clamp_min(1e-30))))
 
 

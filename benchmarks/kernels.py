@@ -64,6 +64,7 @@ DENSE_SWEEP = [
 # one-kernel backward (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
 BWD_VARIANTS = {"auto": {}, "slots": dict(DK="slots"), "dense": dict(DK="dense"),
                 "dense-triton-dkv": dict(DK="dense", DENSE_DKV="triton"),
+                "dense-dq-in-kernel": dict(DK="dense", DENSE_DQ=False),
                 "slots, no padding skip": dict(DK="slots", SKIP_PAD=False), "one-kernel": "ONE_KERNEL_BWD_CONFIG"}
 PROB_SWEEP = [  # the KL target's head sums, one pass (the forward's lse given)
     dict(BLOCK_N=64, num_warps=8, num_stages=2),
@@ -189,6 +190,23 @@ def _fwd_bwd_rows(p, reps, add, tsm, variants=None, baseline=None):
     return out, lse
 
 
+def _dense_bwd_rows(p, out, lse, reps, add):
+    """Our TileLang scores kernel + cuBLAS (``--attn tilelang``'s backward), each mode, with and without the KL
+    target's head sums; rows where the dense formulation does not apply say that the Triton backward ran."""
+    from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    hs = torch.empty(p.indices.shape, dtype=torch.float32, device="cuda")
+    for det in (False, True):
+        which = "scores + cuBLAS" if tsm.dense_plan(p.q, p.kv, p.indices, det) is not None else "Triton fallback"
+        for suffix, head_sums in (("", None), (", head sums", hs)):
+            run = functools.partial(tlbws.tilelang_sparse_bwd_dense, p.q, p.kv, p.indices, out, lse, p.d_out, None,
+                                    p.scale, DV, deterministic=det, head_sums=head_sums)
+            run()  # compiled outside the timing
+            add(f"sparse_mla bwd (our TileLang {which}, {'deterministic' if det else 'atomic'}{suffix})",
+                timed(run, p.refill, reps), 2.5 * p.fwd_flop)
+
+
 def load_baseline(path):
     """Another copy of ops/triton_sparse_mla.py (e.g. ``git show REV:megatron_glm5/ops/triton_sparse_mla.py >
     FILE``) imported as a module of megatron_glm5.ops, so that its relative imports resolve."""
@@ -283,6 +301,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             tilelang_sparse_mla_bwd.tilelang_sparse_bwd, p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
             deterministic=False), (("", tilelang_sparse_mla_bwd.BWD_CONFIG),
                                    (", narrow", tilelang_sparse_mla_bwd.NARROW_BWD_CONFIG)), reps, 2.5 * p.fwd_flop)
+        _dense_bwd_rows(p, out, lse, reps, add)
     from megatron_glm5.ops import cudnn_backend
 
     # peer kernels, when the cuDNN frontend's DSA ops load here (the backend's probe loads each op's CuTe-DSL module)

@@ -22,6 +22,7 @@ import torch
 from megatron_glm5.ops import base, reference, registry
 from megatron_glm5.ops import tilelang_sparse_mla as tlm
 from megatron_glm5.ops import tilelang_sparse_mla_bwd as tlb
+from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
 from megatron_glm5.ops import tilelang_sparse_mla_ws as tlws
 from megatron_glm5.ops.tilelang_backend import TilelangBackend
 from megatron_glm5.ops.tilelang_sparse_mla import TILELANG_INSTALL
@@ -111,7 +112,9 @@ def test_kernel_settings_pick_the_forward_and_backward_and_reject_bad_values(mon
     monkeypatch.delenv("GLM5_TILELANG_FWD", raising=False)
     monkeypatch.delenv("GLM5_TILELANG_BWD", raising=False)
     assert tilelang_backend.forward_kernel() is tlws.tilelang_sparse_fwd_ws  # the default
-    assert tilelang_backend.backward_kernel() is triton_sparse_mla.sparse_mla_bwd  # the default
+    assert tilelang_backend.backward_kernel() is tlbws.tilelang_sparse_bwd_dense  # the default
+    monkeypatch.setenv("GLM5_TILELANG_BWD", "Triton")
+    assert tilelang_backend.backward_kernel() is triton_sparse_mla.sparse_mla_bwd
     monkeypatch.setenv("GLM5_TILELANG_FWD", " Plain ")
     assert tilelang_backend.forward_kernel() is tlm.tilelang_sparse_fwd
     monkeypatch.setenv("GLM5_TILELANG_FWD", "ws")
@@ -122,7 +125,7 @@ def test_kernel_settings_pick_the_forward_and_backward_and_reject_bad_values(mon
     with pytest.raises(UserError, match=r"^GLM5_TILELANG_FWD='fast': must be one of ws, plain \(our TileLang"):
         tilelang_backend.forward_kernel()
     monkeypatch.setenv("GLM5_TILELANG_BWD", "cudnn")
-    with pytest.raises(UserError, match=r"^GLM5_TILELANG_BWD='cudnn': must be one of triton, tilelang \("):
+    with pytest.raises(UserError, match=r"^GLM5_TILELANG_BWD='cudnn': must be one of dense, triton, tilelang \("):
         tilelang_backend.backward_kernel()
     # the backend asks at each call: the default forward reaches the wrapper with the warp-specialised config
     seen = []

@@ -3,12 +3,13 @@
 (``tilelang_kl``) -- with the Triton backend as ``fallback``.
 
 indexer_topk: our TileLang scores + the Triton backend's exact top-k.  sparse_mla: our warp-specialised TileLang
-forward and the Triton two-step backward (``forward_kernel`` / ``backward_kernel``: GLM5_TILELANG_FWD=plain and
-GLM5_TILELANG_BWD=tilelang select our other kernels) through the backends' autograd Function
+forward and backward scores kernel with cuBLAS products (the Triton backward where the dense formulation does not
+apply; ``forward_kernel`` / ``backward_kernel``: GLM5_TILELANG_FWD=plain and GLM5_TILELANG_BWD=triton / tilelang
+select the other kernels) through the backends' autograd Function
 (``base.SparseMLAFunction``); our TileLang backward's deterministic mode is Triton's (``tilelang_sparse_mla_bwd``
 says so, once).  indexer_kl_loss: the fallback's routing and fused indexer side, with our one-pass head sums for
-the target (handed to the fallback as its ``kl_head_probs``) when the KL is computed in the forward; with the Triton
-backward and GLM5_TRITON_DEFER_KL auto (the default, one process) or 1, the fallback's deferred KL instead
+the target (handed to the fallback as its ``kl_head_probs``) when the KL is computed in the forward; with a backward
+that writes the head sums (dense or triton) and GLM5_TRITON_DEFER_KL auto (the default, one process) or 1, the fallback's deferred KL instead
 (``deferred_indexer_kl``).  Every shape the kernels do not take (non-bf16, d_v
 or d_rope not a power of two; for the KL target also a missing lse) is the fallback's, with a warning logged once
 per reason.  Dense mode (indices None) is the torch reference, as for --attn triton.
@@ -54,17 +55,32 @@ def forward_kernel() -> Callable:
 
 
 def backward_kernel() -> Callable:
-    """The sparse backward ``--attn tilelang`` runs, by GLM5_TILELANG_BWD: ``triton`` (default) the Triton two-step
-    backward, ``tilelang`` our TileLang kernel (tilelang_sparse_mla_bwd).  In the H200 proxy step the Triton one
-    takes 7.6 ms per layer against the TileLang kernel's 16.3 (docs/performance.md), so it is the default."""
-    if _setting("GLM5_TILELANG_BWD", ("triton", "tilelang"), "the sparse backward of --attn tilelang: the Triton "
-                "two-step kernels or our TileLang kernel") == "tilelang":
+    """The sparse backward ``--attn tilelang`` runs, by GLM5_TILELANG_BWD: ``dense`` (default) our warp-specialised
+    TileLang scores kernel with cuBLAS for dq and dkv where the dense formulation applies, the Triton backward
+    elsewhere (tilelang_sparse_mla_bwd_ws); ``triton`` the Triton two-step backward; ``tilelang`` our one-kernel
+    TileLang backward with fp32 atomics (tilelang_sparse_mla_bwd)."""
+    choice = _setting("GLM5_TILELANG_BWD", ("dense", "triton", "tilelang"), "the sparse backward of --attn "
+                      "tilelang: our TileLang scores kernel + cuBLAS, the Triton two-step kernels or our one-kernel "
+                      "TileLang backward")
+    if choice == "tilelang":
         from .tilelang_sparse_mla_bwd import tilelang_sparse_bwd
 
         return tilelang_sparse_bwd
+    if choice == "dense":
+        from .tilelang_sparse_mla_bwd_ws import tilelang_sparse_bwd_dense
+
+        return tilelang_sparse_bwd_dense
     from .triton_sparse_mla import sparse_mla_bwd
 
     return sparse_mla_bwd
+
+
+def _writes_head_sums(bwd: Callable) -> bool:
+    """Whether this backward fills the indexer KL target's head sums (``head_sums=``) for the deferred KL."""
+    from .tilelang_sparse_mla_bwd_ws import tilelang_sparse_bwd_dense
+    from .triton_sparse_mla import sparse_mla_bwd
+
+    return bwd is sparse_mla_bwd or bwd is tilelang_sparse_bwd_dense
 
 
 class TilelangBackend(LibraryBackend):
@@ -103,13 +119,11 @@ class TilelangBackend(LibraryBackend):
 
     def deferred_indexer_kl(self, q_idx, k_idx, weights, idx_softmax_scale, q, d_v, indices, head_sum_reduce=None,
                             per_token=False, on_value=None):
-        """The Triton backend's deferred KL job (its backward's kernel 1 writes the head sums) with the Triton
-        backward (GLM5_TILELANG_BWD=triton, the default), as GLM5_TRITON_DEFER_KL says (auto: in a one-process run;
+        """The Triton backend's deferred KL job (the backward writes the head sums) with a backward that writes them
+        (GLM5_TILELANG_BWD dense, the default, or triton), as GLM5_TRITON_DEFER_KL says (auto: in a one-process run;
         ``triton_backend.defer_kl_default``).  On the H200 it took 15.0 ms off the 4-layer proxy step (198.8 vs
-        213.8 ms, docs/performance.md, session 10)."""
-        from . import triton_sparse_mla
-
-        if backward_kernel() is not triton_sparse_mla.sparse_mla_bwd:
+        213.8 ms with the Triton backward, docs/performance.md, session 10)."""
+        if not _writes_head_sums(backward_kernel()):
             return None
         return self.fallback.deferred_indexer_kl(q_idx, k_idx, weights, idx_softmax_scale, q, d_v, indices,
                                                  head_sum_reduce, per_token, on_value)
@@ -124,7 +138,7 @@ class TilelangBackend(LibraryBackend):
             fwd = (forward_kernel() if tilelang_sparse_mla.tilelang_unsupported_reason(q, kv, d_v) is None
                    else triton_sparse_mla.sparse_mla_fwd)
             return triton_sparse_mla.sparse_mla(kl_job.order(q), kv, indices, softmax_scale, d_v, self.deterministic,
-                                                on_head_sums=kl_job.receive, forward=fwd)
+                                                on_head_sums=kl_job.receive, forward=fwd, backward=backward_kernel())
         if indices is not None:
             why = tilelang_sparse_mla.tilelang_unsupported_reason(q, kv, d_v) or triton_backward_reason(q, d_v)
             if why is None:

@@ -19,7 +19,8 @@ dK = dS^T Q (+ P^T dO on the latent part) are then formed one of three ways (BWD
     entry is written once), multiplied with Q and dO with fp32 accumulation -- no atomics, but every key below the
     chunk's key end is multiplied, selected or not.  When the indexer that made ``indices`` left their per-row key
     bounds on the host (``host_windows.row_ends``: the windows it planned with), each chunk's key end is known on
-    the host and the products are two cuBLAS GEMMs over exactly those keys (``_dense_dkv_mm``).  Otherwise (top-k
+    the host and the products are two cuBLAS GEMMs over exactly those keys (``_dense_dkv_mm``), and dq a third
+    (``dense_dq_mm``: dS^T kv on the same matrix; kernel 1 then only forms p and ds).  Otherwise (top-k
     lists from elsewhere, or BWD_CONFIG DENSE_DKV "triton") ``_dense_dkv_kernel`` does them: launched over all
     n_keys, it reads the chunk's largest index on the device (key blocks past it exit) and zeroes the tiles it
     read, so the buffer is zeroed once per call;
@@ -89,10 +90,12 @@ FWD_CONFIG = dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2)
 # products left the kernel (213 KB at BLOCK_N 64, one stage)
 BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", SKIP_PAD=True,
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
-                  DENSE_DKV="auto", DENSE_BLOCK_K=128, DENSE_BLOCK_C=128, DENSE_BLOCK_J=64, DENSE_SPLIT=2,
-                  DENSE_num_warps=8, DENSE_num_stages=3)
+                  DENSE_DKV="auto", DENSE_DQ=True, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128, DENSE_BLOCK_J=64,
+                  DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3)
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
-# _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_*: the kernel's block shape.
+# _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
+# chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_*: the
+# kernel's block shape.
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
@@ -269,18 +272,19 @@ def sparse_mla_fwd(q, kv, indices, softmax_scale: float, d_v: int, config: Optio
 
 @triton.jit
 def _bwd_kernel(
-    Q, KV, IDX, DO, LSE, DELTA, DQ, DKV, BUF, PDS, ENDS, HS,
+    Q, KV, IDX, DO, LSE, DELTA, DQ_PTR, DKV, BUF, PDS, ENDS, HS,
     stride_qt, stride_qh, stride_kvt, stride_it, stride_dot, stride_doh, stride_lt,
     t0, n_heads, n_keys, topk, scale, dense_cols, p_off, hs_group_stride,
     DV: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, H_SPLIT: tl.constexpr,
     ATOMIC: tl.constexpr, IEEE: tl.constexpr, DK_MODE: tl.constexpr, HP: tl.constexpr, SKIP_PAD: tl.constexpr,
-    HEAD_SUMS: tl.constexpr,
+    HEAD_SUMS: tl.constexpr, DQ: tl.constexpr,
 ):
     """DK_MODE 0: the dk products per head group here, into dkv (ATOMIC) or BUF rows; 1 ("slots"): p and ds to the
     [query, slot, (ds | p), HP] buffer PDS for _dkv_kernel; 2 ("dense"): p and ds scattered into the zeroed
     [key, query, head] matrices PDS and PDS + p_off (row length dense_cols = queries x heads) for two GEMMs.
     HEAD_SUMS: also the indexer KL target, sum over this program's heads of the normalised p per (query, slot),
-    fp32, to HS[head group, query, slot] (group stride hs_group_stride); every slot is written (0: unused)."""
+    fp32, to HS[head group, query, slot] (group stride hs_group_stride); every slot is written (0: unused).
+    DQ: accumulate dq = ds k here and write it (False: only with DK_MODE 2, dq is a GEMM on the dense ds)."""
     tl_ = tl.program_id(0).to(tl.int64)  # row inside this launch's query range
     hg = tl.program_id(1)  # head group: heads are independent, each group adds its own dkv partial sum
     t = t0 + tl_
@@ -313,8 +317,9 @@ def _bwd_kernel(
         ds = p * (dp - delta[:, None]) * scale
         ds_c = ds.to(k_lat.dtype)
         p_c = p.to(k_lat.dtype)
-        dq_lat = _mma(ds_c, k_lat, dq_lat, IEEE)
-        dq_rope = _mma(ds_c, k_rope, dq_rope, IEEE)
+        if DQ:
+            dq_lat = _mma(ds_c, k_lat, dq_lat, IEEE)
+            dq_rope = _mma(ds_c, k_rope, dq_rope, IEEE)
         if DK_MODE == 1:
             # p and ds go to the chunk's [query, slot, (ds | p), HP heads] buffer; _dkv_kernel contracts the heads
             pds = PDS + (tl_ * topk + slot)[None, :] * (2 * HP) + offs_h[:, None]
@@ -346,9 +351,10 @@ def _bwd_kernel(
         for n0 in range(tl.cdiv(n_end, BLOCK_N) * BLOCK_N, topk, BLOCK_N):
             slot = n0 + offs_n
             tl.store(HS + hg * hs_group_stride + t * topk + slot, tl.zeros([BLOCK_N], tl.float32), mask=slot < topk)
-    dq_base = DQ + t * stride_qt + offs_h[:, None] * stride_qh
-    tl.store(dq_base + offs_v[None, :], dq_lat.to(DQ.dtype.element_ty), mask=h_ok[:, None])
-    tl.store(dq_base + DV + offs_r[None, :], dq_rope.to(DQ.dtype.element_ty), mask=h_ok[:, None])
+    if DQ:
+        dq_base = DQ_PTR + t * stride_qt + offs_h[:, None] * stride_qh
+        tl.store(dq_base + offs_v[None, :], dq_lat.to(DQ_PTR.dtype.element_ty), mask=h_ok[:, None])
+        tl.store(dq_base + DV + offs_r[None, :], dq_rope.to(DQ_PTR.dtype.element_ty), mask=h_ok[:, None])
 
 
 @triton.jit
@@ -505,7 +511,7 @@ def _delta_bwd_kernel(O, DO, DLSE, DELTA, n_rows, DV: tl.constexpr, BLOCK_R: tl.
     tl.store(DELTA + r, d, mask=r_ok)
 
 
-def _delta(out: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor]) -> torch.Tensor:
+def bwd_delta(out: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor]) -> torch.Tensor:
     """fp32 [T, h]: rowsum(dO * O) - d_lse, the softmax backward's per-row term (one small kernel)."""
     n_q, h, d_v = out.shape
     out = out.contiguous()
@@ -534,7 +540,7 @@ def _segment_reduce_into(dkv: torch.Tensor, buf: torch.Tensor, idx_chunk: torch.
     )
 
 
-def _used_slot_ends(indices: torch.Tensor, n_keys: int) -> torch.Tensor:
+def used_slot_ends(indices: torch.Tensor, n_keys: int) -> torch.Tensor:
     """int32 [T]: one past each query's last used top-k slot (0 for a query without keys)."""
     used = (indices >= 0) & (indices < n_keys)
     k = indices.shape[1]
@@ -557,6 +563,67 @@ def _dense_dkv_mm(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v):
     doc = d_out[t0:t0 + n].reshape(n * h, -1)
     dkv[:kc] += _mm_fp32(ds, qc)
     dkv[:kc, :d_v] += _mm_fp32(p, doc)
+
+
+class DensePlan:
+    """The "dense" formulation with host-known key ends: query chunks of ``rows`` (chunk i starts at starts[i],
+    its keys all below key_ends[i]) and one buffer for the [key, query x head] dS and P matrices of a chunk (P at
+    p_off).  ``views(i)``: chunk i's (t0, n, kc, ds, p) with ds / p [kc, n * h] zeroed; ``products(...)``: its
+    cuBLAS GEMMs.  The Triton backward's kernel 1 and the tilelang backend's scores kernel both fill it."""
+
+    def __init__(self, n_q: int, h: int, rows: int, key_ends: list, dtype: torch.dtype, device):
+        self.n_q, self.h, self.rows, self.key_ends = n_q, h, rows, key_ends
+        self.starts = list(range(0, n_q, rows))
+        self.p_off = max(key_ends, default=0) * rows * h
+        self.pds = torch.empty(max(1, 2 * self.p_off), dtype=dtype, device=device)
+
+    def views(self, i: int):
+        t0, kc = self.starts[i], self.key_ends[i]
+        n = min(self.rows, self.n_q - t0)
+        size = kc * n * self.h
+        ds, p = self.pds[:size], self.pds[self.p_off:self.p_off + size]
+        ds.zero_()
+        p.zero_()
+        return t0, n, kc, ds.view(kc, n * self.h), p.view(kc, n * self.h)
+
+    def chunks(self):
+        return (self.views(i) for i in range(len(self.starts)))
+
+    def products(self, dkv, dq, kc, n, t0, q, d_out, kv, d_v, with_dq: bool = True):
+        """dkv[:kc] += dS^T Q + P^T dO (latent part) and, with_dq, dq of the chunk's rows = dS kv."""
+        if kc > 0:
+            _dense_dkv_mm(dkv, self.pds, self.p_off, kc, n, self.h, q, d_out, t0, d_v)
+        if with_dq:
+            dense_dq_mm(dq, self.pds, kc, n, self.h, kv, t0)
+
+
+def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Optional[dict] = None,
+               row_hi: Optional[torch.Tensor] = None) -> Optional[DensePlan]:
+    """The DensePlan of this backward when it takes the dense formulation with cuBLAS products (BWD_CONFIG's DK
+    "auto" rule or "dense", DENSE_DKV "auto", and the indexer's host row bounds of ``indices`` known: row_hi, or
+    looked up), else None."""
+    cfg = dict(BWD_CONFIG, **(config or {}))
+    row_hi = host_windows.row_ends(indices) if row_hi is None else row_hi
+    det = deterministic_default() if deterministic is None else bool(deterministic)
+    n_q, h = q.shape[0], q.shape[1]
+    n_keys, topk = kv.shape[0], indices.shape[1]
+    if (row_hi is None or n_q == 0 or topk == 0 or cfg.get("DENSE_DKV", "auto") != "auto"
+            or _dk_mode(cfg, n_keys, topk, det) != "dense"):
+        return None
+    rows = _chunk_rows(n_q, 2 * n_keys * h * q.element_size(), PDS_BUFFER_BYTES)
+    ends = _host_chunk_key_ends(row_hi, range(0, n_q, rows), rows, n_keys)
+    return DensePlan(n_q, h, rows, ends, q.dtype, q.device)
+
+
+def dense_dq_mm(dq, pds, kc, n, h, kv, t0):
+    """dq[t0:t0 + n] = dS kv for one query chunk from the [kc, n * h] dS matrix that kernel 1 scattered (its keys
+    all below kc): one cuBLAS GEMM contracting the keys (fp32 accumulation, one rounding to dq's dtype), instead
+    of the per-block ds k products inside kernel 1.  dq: contiguous [T, h, D], written in full for these rows."""
+    rows = dq[t0:t0 + n].view(n * h, -1)
+    if kc == 0:
+        rows.zero_()
+        return
+    torch.mm(pds[:kc * n * h].view(kc, n * h).t(), kv[:kc], out=rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -646,7 +713,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
     if head_sums is not None and (head_sums.shape != indices.shape or head_sums.dtype != torch.float32
                                   or not head_sums.is_contiguous()):
         raise ValueError(f"head_sums must be a contiguous fp32 [T, topk] = {tuple(indices.shape)} tensor")
-    delta = _delta(out, d_out, d_lse)
+    delta = bwd_delta(out, d_out, d_lse)
     lse = lse.contiguous()
     dq = torch.empty_like(q) if dq is None else dq
     dkv = torch.zeros(n_keys, d, dtype=torch.float32, device=q.device)
@@ -667,7 +734,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         cfg = configs.pop(0)
         skip = bool(cfg.get("SKIP_PAD", False))
         if skip and ends is None:
-            ends = _used_slot_ends(indices, n_keys)
+            ends = used_slot_ends(indices, n_keys)
         h_split = max(1, min(int(cfg["H_SPLIT"]), hp // 16))
         rows = n_q
         det_row = 0  # fp32 dkv rows per query (deterministic, "in_kernel" / "slots")
@@ -685,13 +752,12 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         buf = torch.empty(rows * det_row // 4, dtype=torch.float32, device=q.device) if det_rows else dkv
         p_off = 0
         key_ends = delta  # an unused pointer outside "dense"
-        host_ends = None  # "dense" with the indexer's host row bounds: the chunks' key ends, cuBLAS products
+        # "dense" with the indexer's host row bounds: the chunks' key ends known, cuBLAS products
+        plan = dense_plan(q, kv, indices, det, cfg, row_hi) if mode == "dense" else None
         if mode == "slots":
             pds = torch.empty(rows * 2 * topk * hp, dtype=q.dtype, device=q.device)
-        elif mode == "dense" and row_hi is not None and cfg.get("DENSE_DKV", "auto") == "auto":
-            host_ends = _host_chunk_key_ends(row_hi, starts, rows, n_keys)
-            p_off = max(host_ends) * rows * h
-            pds = torch.empty(max(1, 2 * p_off), dtype=q.dtype, device=q.device)
+        elif plan is not None:
+            pds, p_off = plan.pds, plan.p_off
         elif mode == "dense":
             # zeroed once: each chunk's dkv kernel zeroes the tiles it read (the scattered entries) again
             p_off = n_keys * rows * h
@@ -699,6 +765,8 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
             key_ends = _chunk_key_ends(indices, rows, n_keys)
         else:
             pds = dkv
+        # dq as a GEMM on the dense ds (kernel 1 then skips its two dq products): with cuBLAS's dense dkv
+        dq_gemm = plan is not None and bool(cfg.get("DENSE_DQ", True))
         ends_arg = ends if skip else delta  # an unused pointer without SKIP_PAD
         # head sums: written straight into head_sums with one head group, else per group (summed below)
         hs = delta if head_sums is None else head_sums if h_split == 1 else torch.empty(
@@ -706,16 +774,16 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         try:
             for i, t0 in enumerate(starts):
                 n = min(rows, n_q - t0)
-                if host_ends is not None:  # kernel 1 scatters below the chunk's key end only
-                    pds[:host_ends[i] * n * h].zero_()
-                    pds[p_off:p_off + host_ends[i] * n * h].zero_()
+                if plan is not None:  # kernel 1 scatters below the chunk's key end only
+                    plan.views(i)
                 _bwd_kernel[(n, h_split)](
                     q, kv, indices, d_out, lse, delta, dq, dkv, buf, pds, ends_arg, hs,
                     q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), d_out.stride(0), d_out.stride(1),
                     lse.stride(0), t0, h, n_keys, topk, float(softmax_scale), n * h, p_off, n_q * topk,
                     DV=d_v, DR=d_rope, BLOCK_H=hp // h_split, BLOCK_N=cfg["BLOCK_N"], H_SPLIT=h_split,
                     ATOMIC=not det, IEEE=q.dtype == torch.float32, DK_MODE=_DK_MODES[mode], HP=hp, SKIP_PAD=skip,
-                    HEAD_SUMS=head_sums is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                    HEAD_SUMS=head_sums is not None, DQ=not dq_gemm, num_warps=cfg["num_warps"],
+                    num_stages=cfg["num_stages"],
                 )
                 if mode == "slots":
                     block_s = min(int(cfg["DK_BLOCK_S"]), max(16, triton.next_power_of_2(topk)))
@@ -727,9 +795,9 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
                         ATOMIC=not det, IEEE=q.dtype == torch.float32,
                         num_warps=cfg["DK_num_warps"], num_stages=cfg["DK_num_stages"],
                     )
-                elif host_ends is not None and host_ends[i] > 0:
-                    _dense_dkv_mm(dkv, pds, p_off, host_ends[i], n, h, q, d_out, t0, d_v)
-                elif mode == "dense" and host_ends is None:
+                elif plan is not None:
+                    plan.products(dkv, dq, plan.key_ends[i], n, t0, q, d_out, kv, d_v, with_dq=dq_gemm)
+                elif mode == "dense":
                     _dense_dkv(dkv, pds, p_off, key_ends, i, n, h, q, d_out, t0, d_v, cfg)
                 if det_rows:
                     _segment_reduce_into(dkv, buf, indices[t0:t0 + n], 1 if mode == "slots" else h_split)
@@ -749,24 +817,28 @@ _DK_MODES = {"in_kernel": 0, "slots": 1, "dense": 2}
 def sparse_mla(q, kv, indices, softmax_scale: float, d_v: int,
                deterministic: Optional[bool] = None, head_probs: Optional[torch.Tensor] = None,
                on_head_sums: Optional[Callable[[torch.Tensor], None]] = None,
-               forward: Optional[Callable] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+               forward: Optional[Callable] = None,
+               backward: Optional[Callable] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with autograd (dq, dkv): the Triton forward and backward through the backends' one autograd
     Function (``base.SparseMLAFunction``); see the module docstring.  head_probs: as ``sparse_mla_fwd``'s (filled
     by the forward, outside autograd).  on_head_sums: called by the backward with the indexer KL target's head sums
     ([T, topk] fp32, ``sparse_mla_bwd``'s head_sums) once it has computed them (the deferred KL,
     ``deferred_kl``).  forward: another forward with ``sparse_mla_fwd``'s contract (the tilelang backend's), in
-    place of the Triton one (not with head_probs)."""
+    place of the Triton one (not with head_probs); backward: another backward with ``sparse_mla_bwd``'s contract,
+    head_sums included (the tilelang backend's)."""
     if forward is not None and head_probs is not None:
         raise ValueError("sparse_mla: head_probs is the Triton forward's; not with another forward")
     fwd = forward or (sparse_mla_fwd if head_probs is None else functools.partial(sparse_mla_fwd,
                                                                                  head_probs=head_probs))
-    bwd = sparse_mla_bwd if on_head_sums is None else functools.partial(_bwd_with_head_sums, on_head_sums)
+    bwd = backward or sparse_mla_bwd
+    if on_head_sums is not None:
+        bwd = functools.partial(_bwd_with_head_sums, on_head_sums, bwd)
     return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic, fwd, bwd)
 
 
-def _bwd_with_head_sums(on_head_sums, q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v, deterministic):
+def _bwd_with_head_sums(on_head_sums, bwd, q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v,
+                        deterministic):
     head_sums = torch.empty(indices.shape, dtype=torch.float32, device=q.device)
-    grads = sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v, deterministic,
-                           head_sums=head_sums)
+    grads = bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v, deterministic, head_sums=head_sums)
     on_head_sums(head_sums)
     return grads

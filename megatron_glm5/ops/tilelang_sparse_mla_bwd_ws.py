@@ -1,0 +1,281 @@
+"""Our warp-specialised TileLang kernel for the sparse MLA backward's scores step, with cuBLAS for every product
+that is a plain GEMM: the ``--attn tilelang`` backward where the dense formulation applies (``backward_kernel``).
+
+The backward of sparse MLA per query t, head h and selected slot j (key k = indices[t, j]):
+    p = exp(scale q.kv_k - lse),  dp = dO . v_k,  ds = p (dp - Delta) scale     (Delta = rowsum(dO * O) - d_lse)
+    dq[t, h] = sum_j ds kv_k,   dkv[k] += ds q[t, h] (+ p dO[t, h] on the latent part)
+Of these, only p and ds need the gather; once p and ds sit in [key, query x head] matrices (the "dense"
+formulation of ``triton_sparse_mla``: a query's keys are distinct, so every entry is written once and the rest is
+zero) dq and dkv are three cuBLAS GEMMs over the keys below the query chunk's key end (known on the host from the
+indexer's row bounds; ``triton_sparse_mla.dense_products``).  This module's kernel writes those matrices; it has no
+dq or dkv accumulator, no atomics, so the backward is deterministic in both modes.
+
+The kernel (``build_sparse_pds_ws``): one thread block per (query token, 64 heads), 384 threads in three warpgroups,
+the schedule of our warp-specialised forward (tilelang_sparse_mla_ws):
+* q (latent + rope) is TMA-loaded into shared memory once; each consumer loads dO [64 heads, d_v] into its own
+  registers (the A operand of dp = dO v^T);
+* warpgroup 2, the producer, gathers the selected kv rows with cp.async, 64 per block, even blocks into buffer 0 and
+  odd ones into buffer 1 (ready / free mbarriers); after the first pair it gathers no row for an unused slot;
+* consumer c takes the blocks of buffer c: s = q k^T (576 columns, both operands in shared memory) and dp = dO
+  k_lat^T (dO from registers), frees the buffer, then p = exp2(s scale log2 e - lse log2 e) (0 for an unused slot),
+  ds = p (dp - Delta) scale, the column sums of p over the 64 heads (the indexer KL target's head sums, ``head_sums``)
+  and the bf16 p and ds of every used slot stored at [key, t * heads + head] of P and DS;
+* a token's loop stops after the block pair holding its last used slot (``Ends``: the causal padding of early
+  tokens is not computed); the head sums of the slots after it are written 0.
+
+Shared memory: q 72 KB + two kv buffers of 72 KB; registers: dO 128 per consumer thread + the two fp32 64 x 64
+tiles.  Needs heads % 64 == 0 (the wrapper pads; padded heads get lse -inf and write nothing), d_rope == 64, d_v
+% 128 == 0, bf16; the top-k slots are padded with -1 to a multiple of 128.
+"""
+
+# no ``from __future__ import annotations``: TileLang evaluates the kernel's annotations (closure sizes) eagerly
+from typing import Optional, Tuple
+
+import torch
+
+from . import triton_sparse_mla as tsm
+from .base import pad_topk, warn_once
+from .tilelang_sparse_mla import HEAD_BLOCK, LOG2E, check_tiles, compiled_kernel, tilelang_unsupported_reason
+from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, ROWS_PER_PASS
+
+__all__ = ["PDS_WS_CONFIG", "build_sparse_pds_ws", "pds_ws_unsupported_reason", "tilelang_sparse_bwd_dense"]
+
+BLOCK_N = 64  # kv rows per block
+PAIR = 2 * BLOCK_N  # slots per step of the loop (one block per consumer)
+ONES_N = 16  # columns of the ones matrix of the head sums' product (column 0 is read)
+#: consumer / producer registers per thread after setmaxnreg (2 x 240 + 24 = 3 x LAUNCH_REGS; ptxas: no spills,
+#: where 232 / 40 spilled 12 bytes)
+PDS_WS_CONFIG = dict(consumer_regs=240, producer_regs=24, skip_unused=True, fast_math=True)
+
+
+def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, heads_real: int,
+                        topk_real: int, head_sums: bool = True, consumer_regs: int = 240, producer_regs: int = 24,
+                        skip_unused: bool = True, dtype: str = "bfloat16"):
+    """The TileLang prim_func of the scores step (module docstring) for these static sizes: heads (a multiple of
+    64) of which heads_real are real (the column of head h of query t is t * heads_real + h), topk slots (a multiple
+    of 128) of which topk_real are the caller's (the head sums' row length).
+
+    Arguments of the kernel (n_q, n_kv, n_kc and n_cols dynamic): Q [n_q, heads, d_v + d_rope], KV [n_kv, d_v +
+    d_rope], Idx int32 [n_q, topk], dO [n_q, heads, d_v], Lse fp32 [n_q, heads] (natural log, -inf: no keys),
+    Delta fp32 [n_q, heads], Ends int32 [n_q] (block pairs to compute per query), DS and P [n_kc, n_cols] (zeroed
+    by the caller; every used slot's entries written), HS fp32 [n_q, topk_real] (written in full when head_sums)."""
+    import tilelang.language as T
+
+    check_tiles(heads, topk, PAIR)
+    if 2 * consumer_regs + producer_regs > 3 * LAUNCH_REGS or consumer_regs % 8 or producer_regs % 8:
+        raise ValueError(f"consumer_regs ({consumer_regs}) x 2 + producer_regs ({producer_regs}) must be at most "
+                         f"{3 * LAUNCH_REGS} (3 warpgroups x {LAUNCH_REGS} registers at launch), multiples of 8")
+    if d_rope != 64 or d_v % 128:
+        raise ValueError(f"the scores kernel needs d_rope == 64 and d_v % 128 == 0, got {d_rope} / {d_v}")
+    if heads // HEAD_BLOCK > 1 and head_sums:
+        raise ValueError("head sums need all heads in one block (heads <= 64)")
+    d_qk = d_v + d_rope
+    hb_n = heads // HEAD_BLOCK
+    n_pairs = topk // PAIR
+    acc_t, idx_t = "float32", "int32"
+    scale = float(softmax_scale)
+    c_log2 = scale * LOG2E
+    n_q = T.dynamic("n_q")
+    n_kv = T.dynamic("n_kv")
+    n_kc = T.dynamic("n_kc")
+    n_cols = T.dynamic("n_cols")
+    wg = 128
+    hs_shape = (n_q, topk_real) if head_sums else (1, 1)  # without head sums: a 1 x 1 placeholder
+
+    def consumer(c: int):
+        """T.macro: consumer warpgroup c's part (block 2 it + c of each step, in kv buffer c); do_f .. hsum: its
+        own register tiles (tiles shared by two role branches lose one branch's work in TileLang's lowering)."""
+
+        @T.macro
+        def run(tok, h0, dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do_f, s, dp, lse2, dlt,
+                hsum, n_it, bar_q, bar_ready, bar_free):
+            T.set_max_nreg(consumer_regs, 1)
+            T.copy(dO[tok, h0:h0 + HEAD_BLOCK, :], do_f)
+            for i in T.Parallel(HEAD_BLOCK):
+                lse2[i] = T.if_then_else(Lse[tok, h0 + i] == -T.infinity(acc_t), T.infinity(acc_t),
+                                         Lse[tok, h0 + i] * LOG2E)
+                dlt[i] = Delta[tok, h0 + i]
+            T.barrier_wait(bar_q, 0)
+            for it in T.serial(n_it):
+                T.barrier_wait(bar_ready[c], it & 1)
+                T.gemm(q_lat, k_lat[c], s, transpose_B=True, clear_accum=True)
+                T.gemm(q_rope, k_rope[c], s, transpose_B=True)
+                T.gemm(do_f, k_lat[c], dp, transpose_B=True, clear_accum=True)
+                if not head_sums:
+                    T.barrier_arrive(bar_free[c])
+                for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+                    sel = Idx[tok, (2 * it + c) * BLOCK_N + j]
+                    s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), T.exp2(s[i, j] * c_log2 - lse2[i]), 0)
+                    dp[i, j] = s[i, j] * (dp[i, j] - dlt[i]) * scale
+                if head_sums:
+                    # the column sums of p over the heads as a product, p^T ones (bf16 p in the spent rope part of
+                    # the buffer; T.reduce_sum over the heads would synchronise through named barriers that the two
+                    # consumers share in TileLang 0.1.15); then the buffer is free
+                    T.copy(s, k_rope[c])
+                    T.fence_proxy_async()
+                    T.gemm(k_rope[c], ones, hsum, transpose_A=True, clear_accum=True)
+                    T.barrier_arrive(bar_free[c])
+                    for j, u in T.Parallel(BLOCK_N, ONES_N):
+                        if u == 0 and (2 * it + c) * BLOCK_N + j < topk_real:
+                            HS[tok, (2 * it + c) * BLOCK_N + j] = hsum[j, u]
+                for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+                    sel = Idx[tok, (2 * it + c) * BLOCK_N + j]
+                    if (sel >= 0) and (sel < n_kv) and (h0 + i < heads_real):
+                        DS[sel, tok * heads_real + h0 + i] = T.cast(dp[i, j], dtype)
+                        P[sel, tok * heads_real + h0 + i] = T.cast(s[i, j], dtype)
+            if head_sums:  # the blocks after the last used pair: no keys, head sums 0
+                for it2 in T.serial(n_pairs - n_it):
+                    for j in T.Parallel(BLOCK_N):
+                        if (2 * (n_it + it2) + c) * BLOCK_N + j < topk_real:
+                            HS[tok, (2 * (n_it + it2) + c) * BLOCK_N + j] = T.cast(0, acc_t)
+
+        return run
+
+    consumer0, consumer1 = consumer(0), consumer(1)
+
+    @T.prim_func
+    def sparse_mla_pds_ws_kernel(
+        Q: T.Tensor((n_q, heads, d_qk), dtype),
+        KV: T.Tensor((n_kv, d_qk), dtype),
+        Idx: T.Tensor((n_q, topk), idx_t),
+        dO: T.Tensor((n_q, heads, d_v), dtype),
+        Lse: T.Tensor((n_q, heads), acc_t),
+        Delta: T.Tensor((n_q, heads), acc_t),
+        Ends: T.Tensor((n_q,), idx_t),
+        DS: T.Tensor((n_kc, n_cols), dtype),
+        P: T.Tensor((n_kc, n_cols), dtype),
+        HS: T.Tensor(hs_shape, acc_t),
+    ):
+        with T.Kernel(n_q, hb_n, threads=3 * wg) as (tok, hb):
+            q_lat = T.alloc_shared((HEAD_BLOCK, d_v), dtype)
+            q_rope = T.alloc_shared((HEAD_BLOCK, d_rope), dtype)
+            k0_lat = T.alloc_shared((BLOCK_N, d_v), dtype)
+            k0_rope = T.alloc_shared((BLOCK_N, d_rope), dtype)
+            k1_lat = T.alloc_shared((BLOCK_N, d_v), dtype)
+            k1_rope = T.alloc_shared((BLOCK_N, d_rope), dtype)
+            ones = T.alloc_shared((HEAD_BLOCK, ONES_N), dtype)  # B of the head sums' product
+            do0 = T.alloc_fragment((HEAD_BLOCK, d_v), dtype)
+            s0 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            dp0 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            lse2_0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            dlt0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            hsum0 = T.alloc_fragment((BLOCK_N, ONES_N), acc_t)
+            do1 = T.alloc_fragment((HEAD_BLOCK, d_v), dtype)
+            s1 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            dp1 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            lse2_1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            dlt1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            hsum1 = T.alloc_fragment((BLOCK_N, ONES_N), acc_t)
+            n_it = T.alloc_var(idx_t)
+            row = T.alloc_var(idx_t)
+
+            bar_q = T.alloc_barrier(arrive_count=3 * wg)
+            bar_ready = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * 2)  # kv buffer b gathered
+            bar_free = T.alloc_barrier(arrive_count=[wg] * 2)  # kv buffer b read by its consumer
+
+            h0 = hb * HEAD_BLOCK
+            tx = T.get_thread_binding()
+            n_it = T.min(Ends[tok], n_pairs)
+            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q)
+            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q)
+            for i, u in T.Parallel(HEAD_BLOCK, ONES_N):
+                ones[i, u] = T.cast(1, dtype)
+            T.barrier_arrive(bar_q)
+
+            k_lat, k_rope = (k0_lat, k1_lat), (k0_rope, k1_rope)
+            bars = (bar_q, bar_ready, bar_free)
+            # one if / elif / else chain: separate ifs make TileLang put a block-wide __syncthreads between the roles
+            if tx < wg:
+                consumer0(tok, h0, dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do0, s0, dp0,
+                          lse2_0, dlt0, hsum0, n_it, *bars)
+            elif tx < 2 * wg:
+                consumer1(tok, h0, dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do1, s1, dp1,
+                          lse2_1, dlt1, hsum1, n_it, *bars)
+            else:  # producer: block 2 it + b into buffer b
+                T.set_max_nreg(producer_regs, 0)
+                p = tx - 2 * wg
+                r0 = p // 8
+                col = (p % 8) * 8
+                for it in T.serial(n_it):
+                    for b in (0, 1):  # Python-unrolled: buffer indices stay Python ints
+                        T.barrier_wait(bar_free[b], (it & 1) ^ 1)
+                        for r in T.serial(BLOCK_N // ROWS_PER_PASS):
+                            sel = Idx[tok, (2 * it + b) * BLOCK_N + r * ROWS_PER_PASS + r0]
+                            # an unused slot (p = 0) is not gathered after the first pair: its row keeps an earlier
+                            # block's finite values; the first pair fills it from a clamped row
+                            gather = (T.if_then_else(sel >= 0, T.if_then_else(sel < n_kv, 1, 0), 0)
+                                      if skip_unused else 1)
+                            if T.if_then_else(it == 0, 1, gather) == 1:
+                                row = T.max(T.min(sel, n_kv - 1), 0)
+                                for u in T.unroll(d_v // 64):
+                                    T.ptx_cp_async(
+                                        T.access_ptr(k_lat[b][r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
+                                        T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
+                                T.ptx_cp_async(T.access_ptr(k_rope[b][r * ROWS_PER_PASS + r0, col], "w", 8),
+                                               T.access_ptr(KV[row, d_v + col], "r", 8), 8)
+                        T.cp_async_barrier_noinc(bar_ready[b])
+
+    return sparse_mla_pds_ws_kernel
+
+
+def pds_ws_unsupported_reason(q: torch.Tensor, kv: torch.Tensor, d_v: int) -> Optional[str]:
+    """Why this backward cannot take these inputs (None when it can): the forward's rules, d_rope 64, d_v % 128."""
+    why = tilelang_unsupported_reason(q, kv, d_v)
+    if why is not None:
+        return why.replace("TileLang forward", "TileLang dense backward")
+    if q.shape[-1] - d_v != 64 or d_v % 128:
+        return f"the TileLang dense backward needs d_rope == 64 and d_v % 128 == 0, got {q.shape[-1] - d_v} / {d_v}"
+    if q.shape[1] > HEAD_BLOCK:
+        return f"the TileLang dense backward takes at most {HEAD_BLOCK} heads per rank, got {q.shape[1]}"
+    return None
+
+
+def _pad_heads(x: torch.Tensor, pad: int, value: float = 0.0) -> torch.Tensor:
+    if not pad:
+        return x.contiguous()
+    widths = (0, pad) if x.dim() == 2 else (0, 0, 0, pad)
+    return torch.nn.functional.pad(x, widths, value=value)
+
+
+def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float, d_v: int,
+                              deterministic: Optional[bool] = None, config: Optional[dict] = None,
+                              dq: Optional[torch.Tensor] = None,
+                              head_sums: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(dq like q, dkv like kv): ``triton_sparse_mla.sparse_mla_bwd``'s contract (head_sums included) with this
+    module's kernel and cuBLAS, where the dense formulation applies (``triton_sparse_mla.dense_plan``: the
+    indexer's host row bounds known, few enough keys per slot); elsewhere, and for inputs the kernel does not
+    take, the Triton backward (said once per reason).  Deterministic in both modes."""
+    why = pds_ws_unsupported_reason(q, kv, d_v)
+    plan = tsm.dense_plan(q, kv, indices, deterministic) if why is None else None
+    if why is None and plan is None:
+        why = ("the dense formulation does not apply here (top-k lists without the indexer's host row bounds, or "
+               "more keys per top-k slot than triton_sparse_mla.DENSE_KEY_RATIO)")
+    if why is not None:
+        warn_once("tilelang", why)
+        return tsm.sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v, deterministic,
+                                  dq=dq, head_sums=head_sums)
+    cfg = dict(PDS_WS_CONFIG, **(config or {}))
+    fast = {"tl.enable_fast_math": True} if cfg.pop("fast_math", False) else None
+    n_q, h, d_qk = q.shape
+    n_keys, topk = kv.shape[0], indices.shape[1]
+    pad = HEAD_BLOCK - h
+    q, kv, d_out = q.contiguous(), kv.contiguous(), d_out.contiguous()
+    delta = tsm.bwd_delta(out, d_out, d_lse)
+    q_k, do_k = _pad_heads(q, pad), _pad_heads(d_out, pad)
+    lse_k, delta_k = _pad_heads(lse.float(), pad, float("-inf")), _pad_heads(delta, pad)
+    idx = pad_topk(indices, PAIR).to(torch.int32).contiguous()
+    ends = ((tsm.used_slot_ends(indices, n_keys) + (PAIR - 1)) // PAIR).to(torch.int32)
+    dq = torch.empty_like(q) if dq is None else dq
+    dkv = torch.zeros(n_keys, d_qk, dtype=torch.float32, device=q.device)
+    hs = head_sums if head_sums is not None else torch.empty(1, 1, dtype=torch.float32, device=q.device)
+    kernel = compiled_kernel(build_sparse_pds_ws, HEAD_BLOCK, d_v, d_qk - d_v, idx.shape[1], float(softmax_scale),
+                             h, topk, pass_configs=fast, head_sums=head_sums is not None, **cfg)
+    for t0, n, kc, ds_mat, p_mat in plan.chunks():
+        if kc > 0:
+            rows = slice(t0, t0 + n)
+            kernel(q_k[rows], kv, idx[rows], do_k[rows], lse_k[rows], delta_k[rows], ends[rows], ds_mat, p_mat,
+                   hs[rows] if head_sums is not None else hs)
+        elif head_sums is not None:
+            head_sums[t0:t0 + n].zero_()
+        plan.products(dkv, dq, kc, n, t0, q, d_out, kv, d_v)
+    return dq, dkv.to(kv.dtype)

@@ -1,0 +1,270 @@
+"""Our warp-specialised TileLang scores kernel of the sparse MLA backward + cuBLAS products
+(megatron_glm5/ops/tilelang_sparse_mla_bwd_ws.py, ``--attn tilelang``'s default backward).
+
+CPU with tilelang installed: the kernel lowers for sm_90a with each role's whole part (and, with nvcc, no spills);
+the host wrapper (head padding, top-k padding, per-pair loop ends, query chunks, the cuBLAS products, head sums,
+fallbacks) runs around a stand-in kernel that implements the kernel's contract in torch.
+GPU (@pytest.mark.gpu): the real kernel at GLM-5 shapes against the fp32 reference.
+"""
+
+import importlib.util
+import logging
+import re
+
+import pytest
+import torch
+
+from megatron_glm5.ops import host_windows, reference
+from megatron_glm5.ops import tilelang_sparse_mla as tlm
+from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
+from megatron_glm5.ops import triton_sparse_mla as tsm
+from test_ops_tilelang import _inputs, _reference_grads, nvcc_cubin
+from test_ops_tilelang_ws import role_sources
+from test_ops_triton import rel_l2
+
+HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+DQK, DV = 576, 512
+needs_tilelang = pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+
+
+def _remember_bounds(idx):
+    """The host row bounds the indexer leaves for its top-k lists (here read back from the test's lists)."""
+    host_windows.remember_row_ends(idx, idx.max(1).values.long().cpu())
+
+
+def _reference_head_sums(q, kv, idx, scale, lse):
+    """sum over heads of exp(scale q.kv - lse) per (query, slot), 0 on unused slots and heads without keys."""
+    ok = (idx >= 0) & (idx < kv.shape[0])
+    k = kv.float()[idx.long().clamp(0, kv.shape[0] - 1)]  # [T, K, D]
+    s = torch.einsum("thd,tkd->thk", q.float(), k) * scale
+    lse = lse.float().masked_fill(torch.isneginf(lse), float("inf"))
+    p = torch.exp(s - lse[:, :, None]) * ok[:, None, :]
+    return p.sum(1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CPU: the lowered kernel
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@needs_tilelang
+@pytest.mark.parametrize("head_sums", [True, False])
+def test_scores_kernel_lowers_with_each_roles_part(tmp_path, head_sums):
+    art = tlm.lower_artifact(tlbws.build_sparse_pds_ws(64, DV, 64, 2048, DQK ** -0.5, 64, 2048,
+                                                       head_sums=head_sums))
+    src = art.kernel_source
+    assert tlm.dynamic_shared_bytes(art) <= 227 * 1024
+    *consumers, producer = role_sources(src)
+    assert "__syncthreads" not in src[src.index("tl::warpgroup_reg_alloc<"):]  # the roles never meet block-wide
+    # no reduction through the named barriers 1 / 2 that TileLang's cross-warp AllReduce uses for BOTH consumers
+    assert "NamedBarrier" not in src
+    assert "warpgroup_reg_dealloc<24>" in producer and producer.count("mbarrier_cp_async_arrive_noinc") == 2
+    for c, part in enumerate(consumers):
+        assert "warpgroup_reg_alloc<240>" in part
+        assert f"bar_ready[{c}].wait" in part and f"bar_free[{c}].arrive" in part
+        assert f"bar_ready[{1 - c}]" not in part and f"bar_free[{1 - c}]" not in part
+        assert part.count("wgmma_ss<") == (3 if head_sums else 2) and part.count("wgmma_rs<") == 1  # dO from registers
+        assert "exp2f(" in part and re.search(r"\bDS\[", part) and re.search(r"\bP\[", part)
+        assert ("HS[" in part) == head_sums
+    report = nvcc_cubin(tmp_path, src)
+    if report is not None:
+        assert "0 bytes spill stores" in report, report
+
+
+@needs_tilelang
+def test_scores_builder_rejects_what_it_cannot_take():
+    with pytest.raises(ValueError, match=r"topk \(2000\) of 128"):
+        tlbws.build_sparse_pds_ws(64, DV, 64, 2000, 0.1, 64, 2000)
+    with pytest.raises(ValueError, match="d_rope == 64"):
+        tlbws.build_sparse_pds_ws(64, 256, 32, 2048, 0.1, 64, 2048)
+    with pytest.raises(ValueError, match="must be at most 504"):
+        tlbws.build_sparse_pds_ws(64, DV, 64, 2048, 0.1, 64, 2048, consumer_regs=248, producer_regs=24)
+    with pytest.raises(ValueError, match="head sums need all heads in one block"):
+        tlbws.build_sparse_pds_ws(128, DV, 64, 2048, 0.1, 128, 2048, head_sums=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CPU: the host wrapper around a stand-in kernel
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class StandInScores:
+    """The kernel's contract in torch, checking what the wrapper passes (64 heads, top-k a multiple of 128, int32,
+    Ends = block pairs up to the last used slot)."""
+
+    def __init__(self, heads, d_v, d_rope, topk, scale, heads_real, topk_real, head_sums, **cfg):
+        assert heads == 64 and topk % 128 == 0
+        self.scale, self.h, self.topk_real, self.head_sums = scale, heads_real, topk_real, head_sums
+        self.calls = []
+
+    def __call__(self, q, kv, idx, d_o, lse, delta, ends, ds_mat, p_mat, hs):
+        assert idx.dtype == torch.int32 and ends.dtype == torch.int32 and q.shape[1] == 64
+        assert all(t.is_contiguous() for t in (q, kv, idx, d_o, lse, delta, ends, ds_mat, p_mat))
+        n, kc = q.shape[0], ds_mat.shape[0]
+        assert ds_mat.shape == p_mat.shape == (kc, n * self.h) and (ds_mat == 0).all() and (p_mat == 0).all()
+        used = (idx >= 0) & (idx < kv.shape[0])
+        last = torch.where(used.any(1), idx.shape[1] - used.flip(1).int().argmax(1), 0)
+        assert torch.equal(ends.long(), (last + 127) // 128)
+        self.calls.append((n, kc))
+        k = kv.float()[idx.long().clamp(0, kv.shape[0] - 1)]
+        s = torch.einsum("thd,tkd->thk", q.float(), k) * self.scale
+        dp = torch.einsum("thv,tkv->thk", d_o.float(), k[..., :d_o.shape[-1]])
+        lse_ = lse.masked_fill(torch.isneginf(lse), float("inf"))
+        p = torch.exp(s - lse_[:, :, None]) * used[:, None, :]
+        ds = p * (dp - delta[:, :, None]) * self.scale
+        for t in range(n):
+            for j in torch.nonzero(used[t]).flatten().tolist():
+                key = int(idx[t, j])
+                ds_mat[key, t * self.h:(t + 1) * self.h] = ds[t, :self.h, j].to(ds_mat.dtype)
+                p_mat[key, t * self.h:(t + 1) * self.h] = p[t, :self.h, j].to(p_mat.dtype)
+        if self.head_sums:
+            hs.copy_(p.sum(1)[:, :self.topk_real])
+
+
+def _stand_in(monkeypatch, chunk_bytes=None):
+    made = []
+
+    def compiled(builder, *sizes, pass_configs=None, **cfg):
+        assert builder is tlbws.build_sparse_pds_ws
+        made.append(StandInScores(*sizes, **cfg))
+        return made[-1]
+
+    monkeypatch.setattr(tlbws, "compiled_kernel", compiled)
+    # Delta = rowsum(out * d_out) - d_lse in torch (the Triton kernel's contract; no GPU here)
+    monkeypatch.setattr(tsm, "bwd_delta", lambda out, d_out, d_lse: (out.float() * d_out.float()).sum(-1) - (
+        0 if d_lse is None else d_lse.float()))
+    if chunk_bytes is not None:
+        monkeypatch.setattr(tsm, "PDS_BUFFER_BYTES", chunk_bytes)
+    return made
+
+
+@pytest.mark.parametrize("heads,topk,with_dlse,chunked", [(64, 200, False, False), (16, 96, True, True),
+                                                          (48, 130, False, True)])
+def test_wrapper_matches_the_reference_with_head_sums(monkeypatch, heads, topk, with_dlse, chunked):
+    """Against the fp32 reference: dq, dkv (through the cuBLAS products of the stand-in's dS / P matrices) and the
+    head sums, over one or several query chunks, heads padded to 64, top-k padded to 128, rows without keys."""
+    n_q, n_k, scale = 9, 300, 0.05
+    # a chunk's buffer per query row is 2 * n_k * heads * 2 bytes: 3 rows per chunk when chunked
+    made = _stand_in(monkeypatch, chunk_bytes=3 * 4 * n_k * heads if chunked else None)
+    q, kv, idx = _inputs(n_q, n_k, heads, topk, seed=heads, empty_rows=(2,))
+    gen = torch.Generator().manual_seed(1)
+    d_out = torch.randn(n_q, heads, DV, generator=gen).bfloat16()
+    d_lse = torch.randn(n_q, heads, generator=gen) if with_dlse else None
+    out, lse, want_dq, want_dkv = _reference_grads(q, kv, idx, scale, d_out, d_lse)
+    _remember_bounds(idx)
+    dq = torch.full_like(q, float("nan"))
+    hs = torch.full(idx.shape, float("nan"))
+    got_dq, got_dkv = tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, d_lse, scale, DV,
+                                                      deterministic=False, dq=dq, head_sums=hs)
+    assert len(made) == 1 and len(made[0].calls) == (3 if chunked else 1)
+    assert got_dq.data_ptr() == dq.data_ptr() and got_dkv.dtype == kv.dtype
+    assert not got_dq.isnan().any() and not hs.isnan().any()
+    assert (got_dq[2] == 0).all() and (hs[2] == 0).all()  # the row without keys
+    assert rel_l2(got_dq, want_dq) <= 1e-2 and rel_l2(got_dkv, want_dkv) <= 1e-2
+    assert rel_l2(hs, _reference_head_sums(q, kv, idx, scale, lse)) <= 1e-3
+
+
+def test_wrapper_without_head_sums_passes_a_placeholder(monkeypatch):
+    made = _stand_in(monkeypatch)
+    q, kv, idx = _inputs(4, 50, 64, 128, seed=3)
+    d_out = torch.randn(4, 64, DV, generator=torch.Generator().manual_seed(3)).bfloat16()
+    out, lse, want_dq, want_dkv = _reference_grads(q, kv, idx, 0.05, d_out, None)
+    _remember_bounds(idx)
+    got_dq, got_dkv = tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, None, 0.05, DV)
+    assert not made[0].head_sums and len(made[0].calls) == 1
+    assert rel_l2(got_dq, want_dq) <= 1e-2 and rel_l2(got_dkv, want_dkv) <= 1e-2
+
+
+def test_wrapper_falls_back_to_triton_once_per_reason(monkeypatch, caplog):
+    """No host row bounds (top-k lists from elsewhere), too many heads for one block, fp32: the Triton backward,
+    said once per reason."""
+    from megatron_glm5.ops import base
+
+    monkeypatch.setattr(base, "_warned", set())
+    made = _stand_in(monkeypatch)
+    calls = []
+    monkeypatch.setattr(tsm, "sparse_mla_bwd", lambda *a, dq=None, head_sums=None, **k: calls.append(
+        (a[0].shape[1], a[0].dtype, head_sums is not None)) or (a[0], a[1]))
+    caplog.set_level(logging.WARNING)
+    cases = [_inputs(4, 50, 64, 128, seed=4), _inputs(4, 50, 128, 128, seed=5),
+             _inputs(4, 50, 64, 128, seed=6, dtype=torch.float32)]
+    for q, kv, idx in cases[1:]:
+        _remember_bounds(idx)
+    for _ in range(2):
+        for q, kv, idx in cases:
+            lse = torch.zeros(q.shape[:2])
+            d_out = torch.zeros(q.shape[0], q.shape[1], DV, dtype=q.dtype)
+            tlbws.tilelang_sparse_bwd_dense(q, kv, idx, d_out, lse, d_out, None, 0.1, DV,
+                                            head_sums=torch.empty(idx.shape))
+    assert not made and calls == [(64, torch.bfloat16, True), (128, torch.bfloat16, True),
+                                  (64, torch.float32, True)] * 2
+    text = caplog.text
+    assert text.count("the dense formulation does not apply here (top-k lists without the indexer's host row "
+                      "bounds") == 1
+    assert text.count("the TileLang dense backward takes at most 64 heads per rank, got 128; using the Triton "
+                      "backend") == 1
+    assert text.count("the TileLang dense backward is bf16 only") == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU: the real kernel at GLM-5 shapes
+# ----------------------------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_gpu_tilelang = pytest.mark.skipif(
+    not (HAS_TILELANG and HAS_TRITON and torch.cuda.is_available()),
+    reason="needs a CUDA GPU, tilelang and triton")
+
+
+@gpu
+@needs_gpu_tilelang
+@pytest.mark.parametrize("layout", ["causal", "packed"])
+def test_gpu_dense_backward_real_shapes(layout, monkeypatch):
+    from test_ops_triton import gpu_sparse_problem
+
+    pr = gpu_sparse_problem(layout, seed=23)
+    q, kv, idx, d_out, scale = pr.q, pr.kv, pr.idx, pr.d_out, pr.scale
+    _remember_bounds(idx)
+    out, lse = tlm.tilelang_sparse_fwd(q, kv, idx, scale, DV)
+    want_hs = torch.empty(idx.shape, dtype=torch.float32, device="cuda")
+    tsm.sparse_mla_bwd(q, kv, idx, out, lse, d_out, None, scale, DV, deterministic=False, head_sums=want_hs)
+
+    def no_fallback(*a, **k):
+        raise AssertionError("the Triton backward ran")
+
+    monkeypatch.setattr(tsm, "sparse_mla_bwd", no_fallback)
+    runs = []
+    for det in (False, True, True):
+        dq = torch.full_like(q, float("nan"))
+        hs = torch.full(idx.shape, float("nan"), device="cuda")
+        got_dq, got_dkv = tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, None, scale, DV,
+                                                          deterministic=det, dq=dq, head_sums=hs)
+        assert got_dq.data_ptr() == dq.data_ptr()
+        for key, got, want in (("dq", got_dq, pr.dq), ("dkv", got_dkv, pr.dkv)):
+            assert not got.isnan().any(), key
+            assert rel_l2(got, want) <= 1e-2, (key, det, rel_l2(got, want))
+        assert not hs.isnan().any() and rel_l2(hs, want_hs) <= 1e-3, rel_l2(hs, want_hs)
+        runs.append((got_dq, got_dkv, hs))
+    assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[2]))  # bitwise reproducible
+
+
+@gpu
+@needs_gpu_tilelang
+def test_gpu_dense_backward_padded_heads_rows_without_keys_and_lse_gradient():
+    empty = (0, 7, 299)
+    q, kv, idx = (t.cuda() for t in _inputs(300, 500, 16, 200, seed=7, empty_rows=empty))
+    _remember_bounds(idx)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    d_out = torch.randn(300, 16, DV, device="cuda", generator=gen).bfloat16()
+    d_lse = torch.randn(300, 16, device="cuda", generator=gen)
+    out, lse, want_dq, want_dkv = _reference_grads(q, kv, idx, 0.04, d_out, d_lse)
+    dq = torch.full_like(q, float("nan"))
+    hs = torch.full(idx.shape, float("nan"), device="cuda")
+    got_dq, got_dkv = tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, d_lse, 0.04, DV, dq=dq,
+                                                      head_sums=hs)
+    assert not got_dq.isnan().any() and not got_dkv.isnan().any() and not hs.isnan().any()
+    assert (got_dq[list(empty)] == 0).all() and (hs[list(empty)] == 0).all()
+    assert rel_l2(got_dq, want_dq) <= 1e-2 and rel_l2(got_dkv, want_dkv) <= 1e-2, (
+        rel_l2(got_dq, want_dq), rel_l2(got_dkv, want_dkv))
+    assert rel_l2(hs, _reference_head_sums(q, kv, idx, 0.04, lse)) <= 1e-3
