@@ -197,14 +197,49 @@ def _dense_bwd_rows(p, out, lse, reps, add):
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
     hs = torch.empty(p.indices.shape, dtype=torch.float32, device="cuda")
-    for det in (False, True):
+    variants = [(False, "", None, None), (False, ", head sums", hs, None), (True, "", None, None),
+                (True, ", head sums", hs, None)]
+    if p.seq <= 8192:  # query chunks of the dense formulation; the scattered stores' cost (a diagnostic)
+        variants += [(False, f", head sums, {r}-row chunks", hs, dict(DENSE_ROWS=r)) for r in (512, 256)]
+        variants += [(False, ", head sums, no dS / P stores (wrong dq / dkv: the stores' cost)", hs,
+                      dict(write_pds=False))]
+    for det, suffix, head_sums, cfg in variants:
         which = "scores + cuBLAS" if tsm.dense_plan(p.q, p.kv, p.indices, det) is not None else "Triton fallback"
-        for suffix, head_sums in (("", None), (", head sums", hs)):
-            run = functools.partial(tlbws.tilelang_sparse_bwd_dense, p.q, p.kv, p.indices, out, lse, p.d_out, None,
-                                    p.scale, DV, deterministic=det, head_sums=head_sums)
-            run()  # compiled outside the timing
-            add(f"sparse_mla bwd (our TileLang {which}, {'deterministic' if det else 'atomic'}{suffix})",
-                timed(run, p.refill, reps), 2.5 * p.fwd_flop)
+        run = functools.partial(tlbws.tilelang_sparse_bwd_dense, p.q, p.kv, p.indices, out, lse, p.d_out, None,
+                                p.scale, DV, deterministic=det, head_sums=head_sums, config=cfg)
+        run()  # compiled outside the timing
+        add(f"sparse_mla bwd (our TileLang {which}, {'deterministic' if det else 'atomic'}{suffix})",
+            timed(run, p.refill, reps), 2.5 * p.fwd_flop)
+
+
+def profile_dense_bwd(seq, log, config=None):
+    """GPU time per kernel of one ``--attn tilelang`` backward (our scores kernel + cuBLAS) at ``seq``, from the
+    torch profiler over 3 calls after a warm-up: where its time goes."""
+    from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
+    from megatron_glm5.ops import tilelang_sparse_mla_ws as tlws
+
+    p = Problem(seq)
+    out, lse = tlws.tilelang_sparse_fwd_ws(p.q, p.kv, p.indices, p.scale, DV)
+    hs = torch.empty(p.indices.shape, dtype=torch.float32, device="cuda")
+
+    def run():
+        tlbws.tilelang_sparse_bwd_dense(p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
+                                        deterministic=False, head_sums=hs, config=config)
+
+    run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name] = per.get(e.name, 0.0) + e.device_time / 1e3 / 3
+    log(f"S={seq} backward by kernel (ms per call, config {config}):")
+    for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:12]:
+        log(f"  {ms:8.3f}  {name[:110]}")
+    log(f"  {sum(per.values()):8.3f}  total")
 
 
 def load_baseline(path):
@@ -293,7 +328,9 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
 
         tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
             tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV),
-            ((", warp-specialised", tilelang_sparse_mla_ws.WS_CONFIG), (", plain loop", tilelang_sparse_mla.FWD_CONFIG),
+            ((", warp-specialised", tilelang_sparse_mla_ws.WS_CONFIG),
+             (", warp-specialised, every step (causal padding computed)", tilelang_sparse_mla_ws.WS_UNBOUNDED_CONFIG),
+             (", plain loop", tilelang_sparse_mla.FWD_CONFIG),
              (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG),
              (", pipelined, 64 rows", tilelang_sparse_mla.PIPELINED64_CONFIG)), reps,
             p.fwd_flop)
@@ -399,6 +436,8 @@ def main(argv=None):
                          "checkout (benchmarks/peer_tilelang.py)")
     ap.add_argument("--bwd-only", action="store_true",
                     help="only the sparse MLA forward and backward rows (and only the backward's sweep)")
+    ap.add_argument("--profile-bwd", action="store_true",
+                    help="also print where our TileLang backward's GPU time goes, kernel by kernel (torch profiler)")
     ap.add_argument("--bwd-variants", default=None,
                     help="comma-separated names of BWD_VARIANTS to time (default: all)")
     ap.add_argument("--bwd-baseline", default=None, metavar="FILE",
@@ -430,6 +469,8 @@ def main(argv=None):
     for seq in args.seqs:
         result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log, args.peak_tflops,
                                 args.tilelang_examples, args.bwd_only, variants, baseline)
+        if args.profile_bwd:
+            profile_dense_bwd(seq, log)
     for tokens in args.moe_tokens:
         result["rows"] += bench_moe_permute(tokens, args.reps, log)
     log(f"total {time.time() - t0:.0f} s")

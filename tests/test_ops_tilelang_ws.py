@@ -47,3 +47,37 @@ def test_each_role_keeps_its_whole_part_after_lowering():
         assert part.count("wgmma_ss<") == 4  # q k^T (latent, rope), own p V, the other consumer's p V
         assert re.search(r"\*\(uint1\*\)\(Out \+", part)  # writes its half of the output columns
     assert "Lse[" in consumers[0] and "Lse[" not in consumers[1]
+
+
+def test_wrapper_bounds_each_querys_loop_by_its_last_used_slot(monkeypatch):
+    """The bounded kernel (WS_CONFIG) gets Ends = the 128-slot steps up to each query's last used slot; a stand-in
+    that reads only those steps must give the reference's out / lse (rows without keys: 0 steps)."""
+    import torch
+
+    from megatron_glm5.ops import reference
+    from test_ops_tilelang import _inputs
+    from test_ops_triton import rel_l2
+
+    seen = []
+
+    class StandIn:
+        def __call__(self, q, kv, idx, ends, out, lse):
+            assert ends.dtype == torch.int32 and ends.shape == (q.shape[0],)
+            seen.append(ends.clone())
+            cut = idx.clone()
+            cut[torch.arange(idx.shape[1])[None, :] >= 128 * ends.long()[:, None]] = -1  # what the kernel reads
+            o, l_ = reference.sparse_mla(q.float(), kv.float(), cut.long(), 0.1, 512)
+            out.copy_(o)
+            lse.copy_(l_)
+
+    monkeypatch.setattr(tlm, "compiled_kernel", lambda *a, **k: StandIn())
+    q, kv, idx = _inputs(6, 400, 64, 300, seed=8, empty_rows=(4,))
+    idx[1, 100:] = -1  # a causal-like tail: one step
+    idx[2, 129:] = -1  # slot 128 used: two steps
+    out, lse = tlws.tilelang_sparse_fwd_ws(q, kv, idx, 0.1, 512)
+    ro, rl = reference.sparse_mla(q.float(), kv.float(), idx.long(), 0.1, 512)
+    used = (idx >= 0).int()
+    last = torch.where(used.any(1), idx.shape[1] - used.flip(1).argmax(1), 0)
+    assert torch.equal(seen[0].long(), (last + 127) // 128) and seen[0][1] == 1 and seen[0][2] == 2
+    assert seen[0][4] == 0
+    assert rel_l2(out, ro) <= 1e-2 and torch.equal(torch.isneginf(lse), torch.isneginf(rl))

@@ -259,8 +259,14 @@ def tilelang_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     out_k = out if out is not None and h_pad == h else torch.empty(n_q, h_pad, d_v, dtype=q.dtype, device=q.device)
     lse_k = lse if lse is not None and h_pad == h else torch.empty(n_q, h_pad, dtype=torch.float32, device=q.device)
     if n_q > 0:
+        args = (q_k, kv.contiguous(), idx)
+        if getattr(cfg.get("builder"), "takes_ends", False):  # the warp-specialised kernel: its loop bounds
+            from .tilelang_sparse_mla_ws import bounded_steps
+
+            args += (bounded_steps(indices, kv.shape[0]) if cfg.get("bounded") else
+                     torch.zeros(1, dtype=torch.int32, device=q.device),)
         kernel = _compiled(h_pad, d_v, d_rope, idx.shape[1], softmax_scale, cfg)
-        kernel(q_k, kv.contiguous(), idx, out_k, lse_k)
+        kernel(*args, out_k, lse_k)
     if h_pad != h:
         out_k, lse_k = out_k[:, :h], lse_k[:, :h]
         if out is not None:

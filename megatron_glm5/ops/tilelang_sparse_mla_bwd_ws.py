@@ -36,7 +36,7 @@ import torch
 from . import triton_sparse_mla as tsm
 from .base import pad_topk, warn_once
 from .tilelang_sparse_mla import HEAD_BLOCK, LOG2E, check_tiles, compiled_kernel, tilelang_unsupported_reason
-from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, ROWS_PER_PASS
+from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, ROWS_PER_PASS, bounded_steps
 
 __all__ = ["PDS_WS_CONFIG", "build_sparse_pds_ws", "pds_ws_unsupported_reason", "tilelang_sparse_bwd_dense"]
 
@@ -50,7 +50,7 @@ PDS_WS_CONFIG = dict(consumer_regs=240, producer_regs=24, skip_unused=True, fast
 
 def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, heads_real: int,
                         topk_real: int, head_sums: bool = True, consumer_regs: int = 240, producer_regs: int = 24,
-                        skip_unused: bool = True, dtype: str = "bfloat16"):
+                        skip_unused: bool = True, write_pds: bool = True, dtype: str = "bfloat16"):
     """The TileLang prim_func of the scores step (module docstring) for these static sizes: heads (a multiple of
     64) of which heads_real are real (the column of head h of query t is t * heads_real + h), topk slots (a multiple
     of 128) of which topk_real are the caller's (the head sums' row length).
@@ -58,7 +58,9 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     Arguments of the kernel (n_q, n_kv, n_kc and n_cols dynamic): Q [n_q, heads, d_v + d_rope], KV [n_kv, d_v +
     d_rope], Idx int32 [n_q, topk], dO [n_q, heads, d_v], Lse fp32 [n_q, heads] (natural log, -inf: no keys),
     Delta fp32 [n_q, heads], Ends int32 [n_q] (block pairs to compute per query), DS and P [n_kc, n_cols] (zeroed
-    by the caller; every used slot's entries written), HS fp32 [n_q, topk_real] (written in full when head_sums)."""
+    by the caller; every used slot's entries written), HS fp32 [n_q, topk_real] (written in full when head_sums).
+    write_pds False leaves DS and P unwritten: a diagnostic for the benchmark (the cost of the scattered stores),
+    never a result."""
     import tilelang.language as T
 
     check_tiles(heads, topk, PAIR)
@@ -120,7 +122,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                             HS[tok, (2 * it + c) * BLOCK_N + j] = hsum[j, u]
                 for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
                     sel = Idx[tok, (2 * it + c) * BLOCK_N + j]
-                    if (sel >= 0) and (sel < n_kv) and (h0 + i < heads_real):
+                    if write_pds and (sel >= 0) and (sel < n_kv) and (h0 + i < heads_real):
                         DS[sel, tok * heads_real + h0 + i] = T.cast(dp[i, j], dtype)
                         P[sel, tok * heads_real + h0 + i] = T.cast(s[i, j], dtype)
             if head_sums:  # the blocks after the last used pair: no keys, head sums 0
@@ -244,9 +246,12 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
     """(dq like q, dkv like kv): ``triton_sparse_mla.sparse_mla_bwd``'s contract (head_sums included) with this
     module's kernel and cuBLAS, where the dense formulation applies (``triton_sparse_mla.dense_plan``: the
     indexer's host row bounds known, few enough keys per slot); elsewhere, and for inputs the kernel does not
-    take, the Triton backward (said once per reason).  Deterministic in both modes."""
+    take, the Triton backward (said once per reason).  Deterministic in both modes.  config: PDS_WS_CONFIG's keys
+    and the dense plan's (upper case, triton_sparse_mla.BWD_CONFIG's: DENSE_ROWS)."""
+    cfg = dict(PDS_WS_CONFIG, **(config or {}))
+    plan_cfg = {k: cfg.pop(k) for k in list(cfg) if k.isupper()}  # the dense plan's BWD_CONFIG keys (DENSE_ROWS)
     why = pds_ws_unsupported_reason(q, kv, d_v)
-    plan = tsm.dense_plan(q, kv, indices, deterministic) if why is None else None
+    plan = tsm.dense_plan(q, kv, indices, deterministic, plan_cfg) if why is None else None
     if why is None and plan is None:
         why = ("the dense formulation does not apply here (top-k lists without the indexer's host row bounds, or "
                "more keys per top-k slot than triton_sparse_mla.DENSE_KEY_RATIO)")
@@ -254,7 +259,6 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
         warn_once("tilelang", why)
         return tsm.sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v, deterministic,
                                   dq=dq, head_sums=head_sums)
-    cfg = dict(PDS_WS_CONFIG, **(config or {}))
     fast = {"tl.enable_fast_math": True} if cfg.pop("fast_math", False) else None
     n_q, h, d_qk = q.shape
     n_keys, topk = kv.shape[0], indices.shape[1]
@@ -264,7 +268,7 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
     q_k, do_k = _pad_heads(q, pad), _pad_heads(d_out, pad)
     lse_k, delta_k = _pad_heads(lse.float(), pad, float("-inf")), _pad_heads(delta, pad)
     idx = pad_topk(indices, PAIR).to(torch.int32).contiguous()
-    ends = ((tsm.used_slot_ends(indices, n_keys) + (PAIR - 1)) // PAIR).to(torch.int32)
+    ends = bounded_steps(indices, n_keys, PAIR)
     dq = torch.empty_like(q) if dq is None else dq
     dkv = torch.zeros(n_keys, d_qk, dtype=torch.float32, device=q.device)
     hs = head_sums if head_sums is not None else torch.empty(1, 1, dtype=torch.float32, device=q.device)

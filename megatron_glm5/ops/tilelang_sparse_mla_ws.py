@@ -48,10 +48,11 @@ import torch
 from . import tilelang_sparse_mla
 from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, check_tiles
 
-__all__ = ["WS_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG", "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG",
+__all__ = ["WS_CONFIG", "WS_UNBOUNDED_CONFIG", "WS_EXACT_CONFIG", "bounded_steps", "WS_GATHER_ALL_CONFIG", "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG",
            "WS32_EARLY_CONFIG", "build_sparse_fwd_ws", "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
+STEP = 2 * BLOCK_N  # top-k slots per step of the loop (a block per consumer; four 32-row blocks with block_n 32)
 PRODUCER_THREADS = 128
 ROWS_PER_PASS = PRODUCER_THREADS // 8  # eight producer threads per kv row, 16 bytes (8 bf16) per cp.async each
 #: registers per thread ptxas gives a 384-thread block (65536 / 384 rounded down to a multiple of 8): the pool the
@@ -61,7 +62,7 @@ LAUNCH_REGS = 168
 
 def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, consumer_regs: int = 232,
                         producer_regs: int = 40, skip_unused: bool = True, block_n: int = BLOCK_N,
-                        early_release: bool = False, dtype: str = "bfloat16"):
+                        early_release: bool = False, bounded: bool = False, dtype: str = "bfloat16"):
     """The TileLang prim_func of the warp-specialised forward (module docstring); same arguments as
     ``tilelang_sparse_mla.build_sparse_fwd``'s kernel.  heads % 64 == 0, topk % 128 == 0, d_rope == 64.
     consumer_regs / producer_regs: the per-thread registers of each role after setmaxnreg (multiples of 8); their
@@ -72,7 +73,9 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     the previous pair) or 32 (four buffers in two sets: the producer gathers the next pair into one set while the
     consumers work on the other; p then has its own shared tiles).  early_release: both consumers take the pair's
     buffers in the same order (even block first) and free each right after its last use (p published with an
-    explicit async-proxy fence), so the producer can refill the even buffer during the odd block's p V."""
+    explicit async-proxy fence), so the producer can refill the even buffer during the odd block's p V.
+    bounded: the kernel takes Ends int32 [n_q] after Idx, each query's count of 128-slot steps up to its last
+    used slot (``bounded_steps``), and stops there (the causal padding of early tokens is not computed)."""
     import tilelang.language as T
 
     if block_n not in (32, BLOCK_N):
@@ -96,6 +99,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     n_q = T.dynamic("n_q")
     n_kv = T.dynamic("n_kv")
     wg = 128  # threads per warpgroup
+    ends_shape = (n_q,) if bounded else (1,)  # unbounded: a placeholder
 
     def consumer(c: int):
         """T.macro: consumer warpgroup c's whole part (block 2 it + c of each pair it, in kv buffer 2 set + c;
@@ -106,13 +110,13 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
         @T.macro
         def run(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new, alpha,
-                l_run, l_blk, lse_f, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l):
+                l_run, l_blk, lse_f, n_it, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l):
             T.set_max_nreg(consumer_regs, 1)
             T.fill(acc, 0)
             T.fill(l_run, 0)
             T.fill(m_run, M_FLOOR)
             T.barrier_wait(bar_q, 0)
-            for it0 in T.serial(n_outer):
+            for it0 in T.serial(n_it):
                 for st in set_ids:  # a Python tuple: unrolled, buffer indices stay Python ints
                     it = it0 * sets + st
                     ph = it & 1
@@ -191,6 +195,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         Q: T.Tensor((n_q, heads, d_qk), dtype),
         KV: T.Tensor((n_kv, d_qk), dtype),
         Idx: T.Tensor((n_q, topk), idx_t),
+        Ends: T.Tensor(ends_shape, idx_t),
         Out: T.Tensor((n_q, heads, d_v), dtype),
         Lse: T.Tensor((n_q, heads), acc_t),
     ):
@@ -231,6 +236,10 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             l_run1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             l_blk1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             row = T.alloc_var(idx_t)
+            n_it = n_outer  # the steps of this query (a Python int unless bounded)
+            if bounded:
+                n_it = T.alloc_var(idx_t)
+                n_it = T.min(Ends[tok], n_outer)
 
             bar_q = T.alloc_barrier(arrive_count=3 * wg)
             bar_ready = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * n_buf)  # kv buffer b gathered
@@ -255,16 +264,16 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             # one if / elif / else chain: separate ifs make TileLang put a block-wide __syncthreads between the roles
             if tx < wg:
                 consumer0(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s0, acc0, m_run0,
-                          m_new0, alpha0, l_run0, l_blk0, lse_f, *bars)
+                          m_new0, alpha0, l_run0, l_blk0, lse_f, n_it, *bars)
             elif tx < 2 * wg:
                 consumer1(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s1, acc1, m_run1,
-                          m_new1, alpha1, l_run1, l_blk1, lse_f, *bars)
+                          m_new1, alpha1, l_run1, l_blk1, lse_f, n_it, *bars)
             else:  # producer: gathers block 2 it + b into buffer 2 set + b
                 T.set_max_nreg(producer_regs, 0)
                 p = tx - 2 * wg
                 r0 = p // 8
                 col = (p % 8) * 8
-                for it0 in T.serial(n_outer):
+                for it0 in T.serial(n_it):
                     for st in set_ids:  # Python-unrolled
                         for b in (0, 1):
                             buf = 2 * st + b
@@ -290,8 +299,10 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
 
 #: the tilelang backend's forward: this module's kernel through ``tilelang_sparse_fwd`` (top-k padded to two blocks)
-WS_CONFIG = dict(builder=build_sparse_fwd_ws, topk_multiple=2 * BLOCK_N, consumer_regs=232, producer_regs=40,
-                 fast_math=True, early_release=True)
+WS_CONFIG = dict(builder=build_sparse_fwd_ws, topk_multiple=STEP, consumer_regs=232, producer_regs=40,
+                 fast_math=True, early_release=True, bounded=True)
+#: the same kernel computing every step, the causal padding included (the benchmark's comparison)
+WS_UNBOUNDED_CONFIG = dict(WS_CONFIG, bounded=False)
 #: the same kernel with exact exp2f (TileLang's fast-math pass off), for the benchmark's comparison
 WS_EXACT_CONFIG = dict(WS_CONFIG, fast_math=False)
 #: the same kernel gathering a (clamped) row for every slot, unused ones too, for the benchmark's comparison
@@ -300,6 +311,17 @@ WS_GATHER_ALL_CONFIG = dict(WS_CONFIG, skip_unused=False)
 WS_LATE_RELEASE_CONFIG = dict(WS_CONFIG, early_release=False)
 WS32_CONFIG = dict(WS_CONFIG, block_n=32, early_release=False)
 WS32_EARLY_CONFIG = dict(WS_CONFIG, block_n=32)
+
+
+build_sparse_fwd_ws.takes_ends = True  # the kernel's 4th argument is Ends (a placeholder unless bounded)
+
+
+def bounded_steps(indices: torch.Tensor, n_keys: int, step: int = STEP) -> torch.Tensor:
+    """Per query, the number of ``step``-slot steps up to its last used slot (int32 [T], on the device): the loop
+    bound of a bounded kernel (the -1 padding of a causal top-k list is at its end)."""
+    from .triton_sparse_mla import used_slot_ends
+
+    return ((used_slot_ends(indices, n_keys) + (step - 1)) // step).to(torch.int32)
 
 
 def ws_fits(q: torch.Tensor, d_v: int) -> bool:

@@ -90,12 +90,12 @@ FWD_CONFIG = dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2)
 # products left the kernel (213 KB at BLOCK_N 64, one stage)
 BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", SKIP_PAD=True,
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
-                  DENSE_DKV="auto", DENSE_DQ=True, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128, DENSE_BLOCK_J=64,
+                  DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128, DENSE_BLOCK_J=64,
                   DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3)
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
 # _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
-# chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_*: the
-# kernel's block shape.
+# chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_ROWS: at
+# most this many query rows per chunk (None: as many as PDS_BUFFER_BYTES holds).  DENSE_*: the kernel's block shape.
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
@@ -548,6 +548,13 @@ def used_slot_ends(indices: torch.Tensor, n_keys: int) -> torch.Tensor:
     return torch.where(used.any(-1), last, 0).to(torch.int32).contiguous()
 
 
+def _dense_rows(n_q: int, n_keys: int, h: int, elt: int, cfg: dict) -> int:
+    """Query rows per chunk of the "dense" formulation: its [key, rows x heads] dS and P matrices within
+    PDS_BUFFER_BYTES, and at most DENSE_ROWS (smaller chunks multiply fewer keys above the causal diagonal)."""
+    rows = _chunk_rows(n_q, 2 * n_keys * h * elt, PDS_BUFFER_BYTES)
+    return min(rows, int(cfg["DENSE_ROWS"])) if cfg.get("DENSE_ROWS") else rows
+
+
 def _chunk_rows(n_q: int, per_row_bytes: int, budget: int) -> int:
     """Query rows per launch so that the per-row buffers of a chunk stay within ``budget`` bytes."""
     return max(1, min(n_q, budget // max(1, per_row_bytes)))
@@ -610,7 +617,7 @@ def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Opt
     if (row_hi is None or n_q == 0 or topk == 0 or cfg.get("DENSE_DKV", "auto") != "auto"
             or _dk_mode(cfg, n_keys, topk, det) != "dense"):
         return None
-    rows = _chunk_rows(n_q, 2 * n_keys * h * q.element_size(), PDS_BUFFER_BYTES)
+    rows = _dense_rows(n_q, n_keys, h, q.element_size(), cfg)
     ends = _host_chunk_key_ends(row_hi, range(0, n_q, rows), rows, n_keys)
     return DensePlan(n_q, h, rows, ends, q.dtype, q.device)
 
@@ -729,7 +736,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
     if mode not in _DK_MODES:
         raise ValueError(f"triton sparse_mla_bwd: unknown DK mode {mode!r} (in_kernel, slots, dense, auto)")
     # every size below is host-known (n_q, n_keys, topk): no host synchronisation in the planning
-    dense_rows = _chunk_rows(n_q, 2 * n_keys * h * elt, PDS_BUFFER_BYTES)
+    dense_rows = _dense_rows(n_q, n_keys, h, elt, cfg)
     while True:
         cfg = configs.pop(0)
         skip = bool(cfg.get("SKIP_PAD", False))
