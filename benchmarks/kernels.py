@@ -201,6 +201,8 @@ def _dense_bwd_rows(p, out, lse, reps, add):
                 (True, ", head sums", hs, None)]
     if p.seq <= 8192:  # query chunks of the dense formulation; the scattered stores' cost (a diagnostic)
         variants += [(False, f", head sums, {r}-row chunks", hs, dict(DENSE_ROWS=r)) for r in (512, 256)]
+        variants += [(False, ", head sums, every step (causal padding computed)", hs, dict(bounded=False)),
+                     (False, ", head sums, stores from the register tiles", hs, dict(staged=False))]
         variants += [(False, ", head sums, no dS / P stores (wrong dq / dkv: the stores' cost)", hs,
                       dict(write_pds=False))]
     for det, suffix, head_sums, cfg in variants:
@@ -329,7 +331,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
         tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
             tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV),
             ((", warp-specialised", tilelang_sparse_mla_ws.WS_CONFIG),
-             (", warp-specialised, every step (causal padding computed)", tilelang_sparse_mla_ws.WS_UNBOUNDED_CONFIG),
+             (", warp-specialised, bounded (stops after the last used slot)", tilelang_sparse_mla_ws.WS_BOUNDED_CONFIG),
              (", plain loop", tilelang_sparse_mla.FWD_CONFIG),
              (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG),
              (", pipelined, 64 rows", tilelang_sparse_mla.PIPELINED64_CONFIG)), reps,

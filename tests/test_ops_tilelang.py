@@ -428,7 +428,7 @@ def test_deferred_kl_through_the_tilelang_backend(monkeypatch):
 CONFIGS = {"default": tlm.FWD_CONFIG, "pipelined": tlm.PIPELINED_CONFIG, "pipelined64": tlm.PIPELINED64_CONFIG}
 # the GPU tests' forward kernels; the warp-specialised forward first ran with wrong outputs (2026-12-01, session 8:
 # rel. L2 1.04), then, fixed from its lowered source (tests/test_ops_tilelang_ws.py), passed these tests on the H200
-GPU_CONFIGS = dict(CONFIGS, ws=tlws.WS_CONFIG, ws_unbounded=tlws.WS_UNBOUNDED_CONFIG,
+GPU_CONFIGS = dict(CONFIGS, ws=tlws.WS_CONFIG, ws_bounded=tlws.WS_BOUNDED_CONFIG,
                    ws_exact=tlws.WS_EXACT_CONFIG, ws_gather_all=tlws.WS_GATHER_ALL_CONFIG, ws_late=tlws.WS_LATE_RELEASE_CONFIG, ws32=tlws.WS32_CONFIG,
                    ws32_early=tlws.WS32_EARLY_CONFIG)
 
@@ -568,20 +568,20 @@ def test_gpu_tilelang_sparse_mla_real_shapes(layout):
 @needs_gpu_tilelang
 @pytest.mark.parametrize("layout", ["causal", "packed"])
 def test_gpu_tilelang_bounded_forward_equals_every_step(layout):
-    """The warp-specialised forward stopping after each query's last used slot (WS_CONFIG) gives the reference's
+    """The warp-specialised forward stopping after each query's last used slot (WS_BOUNDED_CONFIG) gives the reference's
     out / lse and exactly the kernel computing every step: a step of unused slots leaves the running max, sum and
     output unchanged (p = 0, rescale factor 1)."""
     from test_ops_triton import gpu_sparse_problem
 
     pr = gpu_sparse_problem(layout, seed=24)
     got = {}
-    for name in ("ws", "ws_unbounded"):
+    for name in ("ws_bounded", "ws"):
         out, lse = torch.full_like(pr.nan_out, float("nan")), torch.full_like(pr.nan_lse, float("nan"))
         tlm.tilelang_sparse_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV, config=GPU_CONFIGS[name], out=out, lse=lse)
         assert not out.isnan().any() and not lse.isnan().any()
         assert rel_l2(out, pr.out) <= 1e-2 and rel_l2(lse, pr.lse) <= 1e-2, (name, rel_l2(out, pr.out))
         got[name] = out, lse
-    assert torch.equal(got["ws"][0], got["ws_unbounded"][0]) and torch.equal(got["ws"][1], got["ws_unbounded"][1])
+    assert torch.equal(got["ws"][0], got["ws_bounded"][0]) and torch.equal(got["ws"][1], got["ws_bounded"][1])
 
 
 @gpu

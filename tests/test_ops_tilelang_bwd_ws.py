@@ -65,7 +65,9 @@ def test_scores_kernel_lowers_with_each_roles_part(tmp_path, head_sums):
         assert f"bar_ready[{c}].wait" in part and f"bar_free[{c}].arrive" in part
         assert f"bar_ready[{1 - c}]" not in part and f"bar_free[{1 - c}]" not in part
         assert part.count("wgmma_ss<") == (3 if head_sums else 2) and part.count("wgmma_rs<") == 1  # dO from registers
-        assert "exp2f(" in part and re.search(r"\bDS\[", part) and re.search(r"\bP\[", part)
+        assert "exp2f(" in part
+        # each slot's 64 heads to P and DS as 16-byte vectors from the staged tiles
+        assert re.search(r"\*\(uint4\*\)\(DS \+", part) and re.search(r"\*\(uint4\*\)\(P \+", part)
         assert ("HS[" in part) == head_sums
     report = nvcc_cubin(tmp_path, src)
     if report is not None:
@@ -102,7 +104,7 @@ class StandInScores:
         assert idx.dtype == torch.int32 and ends.dtype == torch.int32 and q.shape[1] == 64
         assert all(t.is_contiguous() for t in (q, kv, idx, d_o, lse, delta, ends, ds_mat, p_mat))
         n, kc = q.shape[0], ds_mat.shape[0]
-        assert ds_mat.shape == p_mat.shape == (kc, n * self.h) and (ds_mat == 0).all() and (p_mat == 0).all()
+        assert ds_mat.shape == p_mat.shape == (kc, n, self.h) and (ds_mat == 0).all() and (p_mat == 0).all()
         used = (idx >= 0) & (idx < kv.shape[0])
         last = torch.where(used.any(1), idx.shape[1] - used.flip(1).int().argmax(1), 0)
         assert torch.equal(ends.long(), (last + 127) // 128)
@@ -116,8 +118,8 @@ class StandInScores:
         for t in range(n):
             for j in torch.nonzero(used[t]).flatten().tolist():
                 key = int(idx[t, j])
-                ds_mat[key, t * self.h:(t + 1) * self.h] = ds[t, :self.h, j].to(ds_mat.dtype)
-                p_mat[key, t * self.h:(t + 1) * self.h] = p[t, :self.h, j].to(p_mat.dtype)
+                ds_mat[key, t] = ds[t, :self.h, j].to(ds_mat.dtype)
+                p_mat[key, t] = p[t, :self.h, j].to(p_mat.dtype)
         if self.head_sums:
             hs.copy_(p.sum(1)[:, :self.topk_real])
 

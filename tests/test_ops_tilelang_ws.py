@@ -50,7 +50,7 @@ def test_each_role_keeps_its_whole_part_after_lowering():
 
 
 def test_wrapper_bounds_each_querys_loop_by_its_last_used_slot(monkeypatch):
-    """The bounded kernel (WS_CONFIG) gets Ends = the 128-slot steps up to each query's last used slot; a stand-in
+    """The bounded kernel (WS_BOUNDED_CONFIG) gets Ends = the 128-slot steps up to each query's last used slot; a stand-in
     that reads only those steps must give the reference's out / lse (rows without keys: 0 steps)."""
     import torch
 
@@ -74,7 +74,7 @@ def test_wrapper_bounds_each_querys_loop_by_its_last_used_slot(monkeypatch):
     q, kv, idx = _inputs(6, 400, 64, 300, seed=8, empty_rows=(4,))
     idx[1, 100:] = -1  # a causal-like tail: one step
     idx[2, 129:] = -1  # slot 128 used: two steps
-    out, lse = tlws.tilelang_sparse_fwd_ws(q, kv, idx, 0.1, 512)
+    out, lse = tlws.tilelang_sparse_fwd_ws(q, kv, idx, 0.1, 512, config=tlws.WS_BOUNDED_CONFIG)
     ro, rl = reference.sparse_mla(q.float(), kv.float(), idx.long(), 0.1, 512)
     used = (idx >= 0).int()
     last = torch.where(used.any(1), idx.shape[1] - used.flip(1).argmax(1), 0)

@@ -45,22 +45,26 @@ PAIR = 2 * BLOCK_N  # slots per step of the loop (one block per consumer)
 ONES_N = 16  # columns of the ones matrix of the head sums' product (column 0 is read)
 #: consumer / producer registers per thread after setmaxnreg (2 x 240 + 24 = 3 x LAUNCH_REGS; ptxas: no spills,
 #: where 232 / 40 spilled 12 bytes)
-PDS_WS_CONFIG = dict(consumer_regs=240, producer_regs=24, skip_unused=True, fast_math=True)
+PDS_WS_CONFIG = dict(consumer_regs=240, producer_regs=24, skip_unused=True, fast_math=True, staged=True,
+                     bounded=True)
 
 
 def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, heads_real: int,
                         topk_real: int, head_sums: bool = True, consumer_regs: int = 240, producer_regs: int = 24,
-                        skip_unused: bool = True, write_pds: bool = True, dtype: str = "bfloat16"):
+                        skip_unused: bool = True, write_pds: bool = True, staged: bool = True,
+                        bounded: bool = True, dtype: str = "bfloat16"):
     """The TileLang prim_func of the scores step (module docstring) for these static sizes: heads (a multiple of
     64) of which heads_real are real (the column of head h of query t is t * heads_real + h), topk slots (a multiple
     of 128) of which topk_real are the caller's (the head sums' row length).
 
-    Arguments of the kernel (n_q, n_kv, n_kc and n_cols dynamic): Q [n_q, heads, d_v + d_rope], KV [n_kv, d_v +
+    Arguments of the kernel (n_q, n_kv and n_kc dynamic): Q [n_q, heads, d_v + d_rope], KV [n_kv, d_v +
     d_rope], Idx int32 [n_q, topk], dO [n_q, heads, d_v], Lse fp32 [n_q, heads] (natural log, -inf: no keys),
-    Delta fp32 [n_q, heads], Ends int32 [n_q] (block pairs to compute per query), DS and P [n_kc, n_cols] (zeroed
-    by the caller; every used slot's entries written), HS fp32 [n_q, topk_real] (written in full when head_sums).
+    Delta fp32 [n_q, heads], Ends int32 [n_q] (block pairs to compute per query), DS and P [n_kc, n_q, heads_real]
+    (zeroed by the caller; every used slot's entries written), HS fp32 [n_q, topk_real] (written in full when head_sums).
     write_pds False leaves DS and P unwritten: a diagnostic for the benchmark (the cost of the scattered stores),
-    never a result."""
+    never a result.  staged: p^T / ds^T go through shared memory so that each slot's heads are one contiguous row
+    (False: stored from the register tiles).  bounded: each query stops after its last used slot (Ends; False:
+    every step, Ends unread)."""
     import tilelang.language as T
 
     check_tiles(heads, topk, PAIR)
@@ -80,7 +84,6 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     n_q = T.dynamic("n_q")
     n_kv = T.dynamic("n_kv")
     n_kc = T.dynamic("n_kc")
-    n_cols = T.dynamic("n_cols")
     wg = 128
     hs_shape = (n_q, topk_real) if head_sums else (1, 1)  # without head sums: a 1 x 1 placeholder
 
@@ -103,13 +106,32 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 T.gemm(q_lat, k_lat[c], s, transpose_B=True, clear_accum=True)
                 T.gemm(q_rope, k_rope[c], s, transpose_B=True)
                 T.gemm(do_f, k_lat[c], dp, transpose_B=True, clear_accum=True)
-                if not head_sums:
+                if not head_sums and not staged:
                     T.barrier_arrive(bar_free[c])
                 for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
                     sel = Idx[tok, (2 * it + c) * BLOCK_N + j]
                     s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), T.exp2(s[i, j] * c_log2 - lse2[i]), 0)
                     dp[i, j] = s[i, j] * (dp[i, j] - dlt[i]) * scale
-                if head_sums:
+                if staged:
+                    # p^T and ds^T (bf16, [slots, heads]) into the spent latent part of the buffer: columns 0..63
+                    # and 64..127; then the head sums (p^T ones) and the rows of P / DS from there, each slot's 64
+                    # heads one contiguous 128-byte row; then the buffer is free
+                    for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+                        k_lat[c][j, i] = T.cast(s[i, j], dtype)
+                        k_lat[c][j, HEAD_BLOCK + i] = T.cast(dp[i, j], dtype)
+                    if head_sums:
+                        T.fence_proxy_async()
+                        T.gemm(k_lat[c][:, 0:HEAD_BLOCK], ones, hsum, clear_accum=True)
+                        for j, u in T.Parallel(BLOCK_N, ONES_N):
+                            if u == 0 and (2 * it + c) * BLOCK_N + j < topk_real:
+                                HS[tok, (2 * it + c) * BLOCK_N + j] = hsum[j, u]
+                    for j, i in T.Parallel(BLOCK_N, HEAD_BLOCK):
+                        sel = Idx[tok, (2 * it + c) * BLOCK_N + j]
+                        if write_pds and (sel >= 0) and (sel < n_kv) and (h0 + i < heads_real):
+                            P[sel, tok, h0 + i] = k_lat[c][j, i]
+                            DS[sel, tok, h0 + i] = k_lat[c][j, HEAD_BLOCK + i]
+                    T.barrier_arrive(bar_free[c])
+                elif head_sums:
                     # the column sums of p over the heads as a product, p^T ones (bf16 p in the spent rope part of
                     # the buffer; T.reduce_sum over the heads would synchronise through named barriers that the two
                     # consumers share in TileLang 0.1.15); then the buffer is free
@@ -120,12 +142,13 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                     for j, u in T.Parallel(BLOCK_N, ONES_N):
                         if u == 0 and (2 * it + c) * BLOCK_N + j < topk_real:
                             HS[tok, (2 * it + c) * BLOCK_N + j] = hsum[j, u]
-                for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
-                    sel = Idx[tok, (2 * it + c) * BLOCK_N + j]
-                    if write_pds and (sel >= 0) and (sel < n_kv) and (h0 + i < heads_real):
-                        DS[sel, tok * heads_real + h0 + i] = T.cast(dp[i, j], dtype)
-                        P[sel, tok * heads_real + h0 + i] = T.cast(s[i, j], dtype)
-            if head_sums:  # the blocks after the last used pair: no keys, head sums 0
+                if not staged:  # straight from the register tiles: 2-byte stores, 16 contiguous bytes per 8 lanes
+                    for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+                        sel = Idx[tok, (2 * it + c) * BLOCK_N + j]
+                        if write_pds and (sel >= 0) and (sel < n_kv) and (h0 + i < heads_real):
+                            DS[sel, tok, h0 + i] = T.cast(dp[i, j], dtype)
+                            P[sel, tok, h0 + i] = T.cast(s[i, j], dtype)
+            if head_sums and bounded:  # the blocks after the last used pair: no keys, head sums 0
                 for it2 in T.serial(n_pairs - n_it):
                     for j in T.Parallel(BLOCK_N):
                         if (2 * (n_it + it2) + c) * BLOCK_N + j < topk_real:
@@ -144,8 +167,8 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         Lse: T.Tensor((n_q, heads), acc_t),
         Delta: T.Tensor((n_q, heads), acc_t),
         Ends: T.Tensor((n_q,), idx_t),
-        DS: T.Tensor((n_kc, n_cols), dtype),
-        P: T.Tensor((n_kc, n_cols), dtype),
+        DS: T.Tensor((n_kc, n_q, heads_real), dtype),
+        P: T.Tensor((n_kc, n_q, heads_real), dtype),
         HS: T.Tensor(hs_shape, acc_t),
     ):
         with T.Kernel(n_q, hb_n, threads=3 * wg) as (tok, hb):
@@ -168,7 +191,6 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             lse2_1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             dlt1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             hsum1 = T.alloc_fragment((BLOCK_N, ONES_N), acc_t)
-            n_it = T.alloc_var(idx_t)
             row = T.alloc_var(idx_t)
 
             bar_q = T.alloc_barrier(arrive_count=3 * wg)
@@ -177,7 +199,10 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
             h0 = hb * HEAD_BLOCK
             tx = T.get_thread_binding()
-            n_it = T.min(Ends[tok], n_pairs)
+            n_it = n_pairs  # the steps of this query (a Python int unless bounded)
+            if bounded:
+                n_it = T.alloc_var(idx_t)
+                n_it = T.min(Ends[tok], n_pairs)
             T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q)
             T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q)
             for i, u in T.Parallel(HEAD_BLOCK, ONES_N):
@@ -277,8 +302,8 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
     for t0, n, kc, ds_mat, p_mat in plan.chunks():
         if kc > 0:
             rows = slice(t0, t0 + n)
-            kernel(q_k[rows], kv, idx[rows], do_k[rows], lse_k[rows], delta_k[rows], ends[rows], ds_mat, p_mat,
-                   hs[rows] if head_sums is not None else hs)
+            kernel(q_k[rows], kv, idx[rows], do_k[rows], lse_k[rows], delta_k[rows], ends[rows], ds_mat.view(kc, n, h),
+                   p_mat.view(kc, n, h), hs[rows] if head_sums is not None else hs)
         elif head_sums is not None:
             head_sums[t0:t0 + n].zero_()
         plan.products(dkv, dq, kc, n, t0, q, d_out, kv, d_v)
