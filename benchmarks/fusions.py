@@ -122,15 +122,18 @@ def bench_indexer_kl(seq, warmup, reps):
         host_windows.remember_row_ends(idx, torch.arange(seq, dtype=torch.int64))
     res = {"seq": seq}
 
-    def run(need_grad, det=False, dk="atomic"):
+    def run(need_grad, det=False, dk="atomic", skip=True):
         return triton_kl.indexer_kl_grads(qi, ki, w, idx, hs, DI ** -0.5, deterministic=det, need_grad=need_grad,
-                                          config=dict(DK=dk))
+                                          config=dict(DK=dk, SKIP_PAD=skip))
 
     res["no_grad_ms"] = timed(lambda: run(False), refill, warmup, reps)
     for det in (False, True):
         for dk in ("atomic", "dense"):
             name = f"{dk}_{'deterministic' if det else 'atomic_mode'}"
             res[f"{name}_ms"] = timed(lambda: run(True, det, dk), refill, warmup, reps)
+    # the passes over every slot, the causal padding included (before SKIP_PAD)
+    res["atomic_atomic_mode_every_slot_ms"] = timed(lambda: run(True, False, "atomic", False), refill, warmup, reps)
+    res["dense_deterministic_every_slot_ms"] = timed(lambda: run(True, True, "dense", False), refill, warmup, reps)
     refill()
     dk_ref = run(True)[3]
     for det, dk in ((True, "atomic"), (False, "dense"), (True, "dense")):

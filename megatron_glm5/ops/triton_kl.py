@@ -39,14 +39,16 @@ from . import host_windows, reference, triton_interpret_compat
 from .base import warn_once
 from .triton_sparse_mla import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, LOG2E, PDS_BUFFER_BYTES, _block_h, _check,
                                 _chunk_rows, _host_chunk_key_ends, _load_query, _load_selected, _mm_fp32, _mma, _scores,
-                                _segment_reduce_into, deterministic_default)
+                                _segment_reduce_into, deterministic_default, used_slot_ends)
 
 triton_interpret_compat.apply()
 
 # tuned on the H200 (docs/performance.md, "Kernels")
 PROB_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)  # 3.40 ms at S 4096 (64/8/2: 3.82; 128/8/2: no smem)
 # DK: "auto", "dense" or "atomic" (the module docstring); DENSE_ROWS: query rows per dense chunk at most
-KL_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3, DK="auto", DENSE_ROWS=1024)
+# SKIP_PAD: stop each query's passes after its last used slot (the causal -1 padding of early tokens), except with
+# the deterministic per-slot rows (they are all written)
+KL_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3, DK="auto", DENSE_ROWS=1024, SKIP_PAD=True)
 KL_FALLBACK = dict(BLOCK_N=32, num_warps=4, num_stages=1)
 
 
@@ -137,12 +139,14 @@ def _index_logits_block(IDX_ROW, KI, stride_kit, slot, topk, n_keys, offs_d, qi,
 
 @triton.jit
 def _indexer_kl_kernel(
-    QI, KI, W, IDX, P, CNT, KL, DQI, DW, DKI, BUF, G,
+    QI, KI, W, IDX, P, CNT, KL, DQI, DW, DKI, BUF, G, ENDS,
     stride_qit, stride_qih, stride_kit, stride_wt, stride_it, stride_pt,
     t0, n_heads, n_keys, topk, scale, g_stride, key_end,
     DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NEED_GRAD: tl.constexpr, ATOMIC: tl.constexpr,
-    DENSE: tl.constexpr, IEEE: tl.constexpr,
+    DENSE: tl.constexpr, IEEE: tl.constexpr, SKIP_PAD: tl.constexpr,
 ):
+    """SKIP_PAD: both passes stop after the query's last used slot (ENDS[t]; the slots after it are unused: no
+    logit, target 0, no gradient) -- not with per-slot BUF rows, which must all be written."""
     tl_ = tl.program_id(0).to(tl.int64)  # row inside this launch's query range
     t = t0 + tl_
     offs_h = tl.arange(0, BLOCK_H)
@@ -154,12 +158,13 @@ def _indexer_kl_kernel(
     counted = tl.load(CNT + t) != 0
     idx_row = IDX + t * stride_it
     p_row = P + t * stride_pt
+    n_end = tl.load(ENDS + t) if SKIP_PAD else topk
 
     # pass 1: log-sum-exp of the indexer logits, and the target's normaliser
     m_i = float("-inf")
     l_i = 0.0
     total = 0.0
-    for n0 in range(0, topk, BLOCK_N):
+    for n0 in range(0, n_end, BLOCK_N):
         slot = n0 + offs_n
         idx, ok, k, a, z = _index_logits_block(idx_row, KI, stride_kit, slot, topk, n_keys, offs_d, qi, w, scale,
                                                BLOCK_H, BLOCK_N, IEEE)
@@ -175,7 +180,7 @@ def _indexer_kl_kernel(
     kl = 0.0
     dqi = tl.zeros([BLOCK_H, DI], tl.float32)
     dw = tl.zeros([BLOCK_H], tl.float32)
-    for n0 in range(0, topk, BLOCK_N):
+    for n0 in range(0, n_end, BLOCK_N):
         slot = n0 + offs_n
         idx, ok, k, a, z = _index_logits_block(idx_row, KI, stride_kit, slot, topk, n_keys, offs_d, qi, w, scale,
                                                BLOCK_H, BLOCK_N, IEEE)
@@ -247,6 +252,8 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
     buf = torch.empty(rows * topk, d_i, dtype=torch.float32, device=dev) if det else kl
     cnt = counted.to(torch.int8).contiguous()
     dummy = kl
+    skip = bool(cfg0.get("SKIP_PAD", True)) and not det  # per-slot rows (deterministic, not dense): every slot
+    slot_ends = used_slot_ends(indices, n_keys) if skip else kl
     configs = [cfg0] + ([dict(cfg0, **KL_FALLBACK)] if config is None else [])
     while True:
         cfg = configs.pop(0)
@@ -259,10 +266,10 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
                 _indexer_kl_kernel[(n,)](
                     q_idx, k_idx, weights, indices, head_sums, cnt, kl,
                     d_qi if need_grad else dummy, d_w if need_grad else dummy, d_ki if need_grad else dummy, buf,
-                    g_buf, q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), indices.stride(0),
+                    g_buf, slot_ends, q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), indices.stride(0),
                     head_sums.stride(0), t0, n_heads, n_keys, topk, float(idx_scale), n * n_heads, key_end,
                     DI=d_i, BLOCK_H=_block_h(n_heads), BLOCK_N=cfg["BLOCK_N"], NEED_GRAD=need_grad, ATOMIC=not det,
-                    DENSE=dense, IEEE=q_idx.dtype == torch.float32, num_warps=cfg["num_warps"],
+                    DENSE=dense, IEEE=q_idx.dtype == torch.float32, SKIP_PAD=skip, num_warps=cfg["num_warps"],
                     num_stages=cfg["num_stages"],
                 )
                 if dense and key_end > 0:
