@@ -108,16 +108,20 @@ def bench_indexer_kl(seq, warmup, reps):
     w = torch.empty(seq, HI, device=dev, dtype=torch.float32)
     hs = torch.empty(seq, TOPK, device=dev, dtype=torch.float32)
 
+    unused = torch.zeros(seq, TOPK, device=dev, dtype=torch.bool)  # set below: the top-k's -1 slots
+
     def refill():
         qi.normal_()
         ki.normal_()
         w.uniform_(0.1, 1.0)
-        hs.uniform_(0.0, 1.0)
+        hs.uniform_(0.0, 1.0).masked_fill_(unused, 0.0)  # head sums are 0 on unused slots (their contract)
 
     refill()
     ks = torch.zeros(seq, device=dev, dtype=torch.int64)
     qe = torch.arange(seq, device=dev, dtype=torch.int64)
     idx = triton_indexer.indexer_topk(qi, ki, w * HI ** -0.5, TOPK, ks, qe, DI ** -0.5)
+    unused.copy_(idx < 0)
+    refill()
     if host_windows.row_ends(idx) is None:  # causal windows: row t selects no key above t
         host_windows.remember_row_ends(idx, torch.arange(seq, dtype=torch.int64))
     res = {"seq": seq}

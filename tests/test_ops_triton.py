@@ -94,6 +94,10 @@ def build_cases():
         if name == "packed":
             cases["backend"] = dict(kind="backend", q=q, kv=kv, indices=idx, scale=0.3, d_v=D_V, key_start=ks,
                                     query_end=qe)
+        if name == "empty_rows":  # a given target (0 on unused slots: the head sums' contract)
+            hs = (torch.rand(idx.shape, generator=g) + 0.1) * (idx >= 0)
+            cases["kl_given_target"] = dict(kind="kl_given", q_idx=qi, k_idx=ki, weights=w, idx_scale=0.5,
+                                            indices=idx, head_sums=hs)
     return cases
 
 
@@ -173,6 +177,33 @@ def test_interp_indexer_kl_loss(interp, name, deterministic, with_lse, block_n, 
     torch.testing.assert_close(got["kl"].to(F64), kl.detach(), rtol=1e-4, atol=1e-5)
     for key, ref_grad in (("d_q_idx", q_idx.grad), ("d_k_idx", k_idx.grad), ("d_w", w.grad)):
         torch.testing.assert_close(got[key].to(F64), ref_grad, rtol=1e-4, atol=1e-5, msg=key)
+
+
+@needs_triton
+@pytest.mark.parametrize("deterministic,skip", [(False, True), (False, False), (True, True)])
+def test_interp_indexer_kl_from_a_given_target_with_the_padding_skip(interp, deterministic, skip):
+    """indexer_kl_grads (the deferred KL's entry) from given head sums against an fp64 KL written here, with and
+    without the padding skip (the -1 tail of the top-k rows, which SKIP_PAD stops before; deterministic mode: the
+    per-slot rows, no skip)."""
+    cases, res = interp
+    c = cases["kl_given_target"]
+    kl, n, d_qi, d_ki, d_w = res["kl_given_target"][deterministic, skip]
+    idx = c["indices"].long()
+    ok = (idx >= 0) & (idx < c["k_idx"].shape[0])
+    q_idx, k_idx, w = (c[k].to(F64).requires_grad_() for k in ("q_idx", "k_idx", "weights"))
+    a = torch.einsum("thd,tjd->thj", q_idx, k_idx[idx.clamp(min=0)]) * c["idx_scale"]
+    z = (w[:, :, None] * a.clamp(min=0)).sum(1).masked_fill(~ok, float("-inf"))
+    rows = ok.any(1)
+    log_ind = torch.log_softmax(z[rows], dim=-1)
+    p = c["head_sums"].to(F64)[rows]
+    tgt = torch.where(ok[rows], p / p.sum(1, keepdim=True), 0.0)
+    want = torch.where(tgt > 0, tgt * (torch.log(tgt.clamp(min=1e-300)) - log_ind.masked_fill(~ok[rows], 0.0)),
+                       0.0).sum()
+    want.backward()
+    assert int(n) == int(rows.sum())
+    torch.testing.assert_close(kl.to(F64), want.detach(), rtol=1e-4, atol=1e-5)
+    for got, ref in ((d_qi, q_idx.grad), (d_ki, k_idx.grad), (d_w, w.grad)):
+        torch.testing.assert_close(got.to(F64), ref, rtol=1e-4, atol=1e-5)
 
 
 @needs_triton

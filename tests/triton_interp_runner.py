@@ -104,7 +104,17 @@ def run_backend(c):
     return dict(dense=out_dense, sparse=out_sparse)
 
 
-RUNNERS = {"topk": run_topk, "mla": run_mla, "kl": run_kl, "backend": run_backend}
+def run_kl_given(c):
+    """indexer_kl_grads from the case's head sums: (deterministic, SKIP_PAD) -> its five results."""
+    from megatron_glm5.ops import triton_kl
+
+    return {(det, skip): triton_kl.indexer_kl_grads(c["q_idx"], c["k_idx"], c["weights"], c["indices"],
+                                                    c["head_sums"], c["idx_scale"], deterministic=det,
+                                                    config=dict(BLOCK_N=8, SKIP_PAD=skip))
+            for det, skip in ((False, True), (False, False), (True, True))}
+
+
+RUNNERS = {"topk": run_topk, "mla": run_mla, "kl": run_kl, "kl_given": run_kl_given, "backend": run_backend}
 
 
 def main(cases_path, results_path):

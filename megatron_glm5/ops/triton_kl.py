@@ -9,7 +9,8 @@ Two kernels, one program per query token each; nothing of size [T, h, K] or [T, 
   ``head_sum_reduce`` (the TP all-reduce over head shards) is applied to the whole [T, K] tensor, once.
 * ``_indexer_kl_kernel`` -- the indexer side, fused: pass 1 gathers the selected index keys, forms the logits
   z_j = sum_h w_h relu(idx_scale * q_idx[t, h] . k_idx[j]) and their log-sum-exp (and sums P for the target's
-  normalisation); pass 2 recomputes z, adds the token's KL(target || softmax(z)) and, when gradients are needed,
+  normalisation); both passes stop after the query's last used slot (``KL_CONFIG["SKIP_PAD"]``: P is 0 on unused
+  slots; not with the deterministic per-slot rows); pass 2 recomputes z, adds the token's KL(target || softmax(z)) and, when gradients are needed,
   g = softmax(z) - target, dw = sum_j g_j relu(a_hj), da = g w (a > 0) idx_scale, dq_idx = da . K, and dk_idx rows
   += da^T q_idx, by ``KL_CONFIG["DK"]``: "dense" -- the kernel scatters da into a zeroed [keys, (query, head)]
   matrix per chunk of query rows (keys below the chunk's end, from the host row bounds the indexer left for the
@@ -146,7 +147,7 @@ def _indexer_kl_kernel(
     DENSE: tl.constexpr, IEEE: tl.constexpr, SKIP_PAD: tl.constexpr,
 ):
     """SKIP_PAD: both passes stop after the query's last used slot (ENDS[t]; the slots after it are unused: no
-    logit, target 0, no gradient) -- not with per-slot BUF rows, which must all be written."""
+    logit, P 0 there by the contract, no gradient) -- not with per-slot BUF rows, which must all be written."""
     tl_ = tl.program_id(0).to(tl.int64)  # row inside this launch's query range
     t = t0 + tl_
     offs_h = tl.arange(0, BLOCK_H)
@@ -172,7 +173,7 @@ def _indexer_kl_kernel(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(z - m_use), axis=0)
         m_i = m_new
-        total += tl.sum(tl.load(p_row + slot, mask=slot < topk, other=0.0), axis=0)  # as the reference: all slots
+        total += tl.sum(tl.load(p_row + slot, mask=slot < topk, other=0.0), axis=0)  # P is 0 on unused slots
     lse_z = m_i + tl.log(tl.where(l_i > 0, l_i, 1.0))
     total = tl.where(total > 0, total, 1.0)
 
