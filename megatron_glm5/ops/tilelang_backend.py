@@ -1,18 +1,18 @@
-"""``--attn tilelang``: our TileLang kernels -- sparse forward (``tilelang_sparse_mla``), sparse backward
-(``tilelang_sparse_mla_bwd``), indexer scores (``tilelang_indexer``) and the KL target's head sums
-(``tilelang_kl``) -- with the Triton backend as ``fallback``.
+"""``--attn tilelang``: our TileLang kernels -- sparse forward (``tilelang_sparse_mla_ws``), the backward's scores
+kernel (``tilelang_sparse_mla_bwd_ws``, with cuBLAS for dq / dkv), indexer scores (``tilelang_indexer``) and the KL
+target's head sums (``tilelang_kl``) -- with the Triton backend as ``fallback``.
 
 indexer_topk: our TileLang scores + the Triton backend's exact top-k.  sparse_mla: our warp-specialised TileLang
-forward and backward scores kernel with cuBLAS products (the Triton backward where the dense formulation does not
-apply; ``forward_kernel`` / ``backward_kernel``: GLM5_TILELANG_FWD=plain and GLM5_TILELANG_BWD=triton / tilelang
-select the other kernels) through the backends' autograd Function
-(``base.SparseMLAFunction``); our TileLang backward's deterministic mode is Triton's (``tilelang_sparse_mla_bwd``
-says so, once).  indexer_kl_loss: the fallback's routing and fused indexer side, with our one-pass head sums for
-the target (handed to the fallback as its ``kl_head_probs``) when the KL is computed in the forward; with a backward
-that writes the head sums (dense or triton) and GLM5_TRITON_DEFER_KL auto (the default, one process) or 1, the fallback's deferred KL instead
-(``deferred_indexer_kl``).  Every shape the kernels do not take (non-bf16, d_v
-or d_rope not a power of two; for the KL target also a missing lse) is the fallback's, with a warning logged once
-per reason.  Dense mode (indices None) is the torch reference, as for --attn triton.
+forward and backward (``forward_kernel`` / ``backward_kernel``; GLM5_TILELANG_FWD=plain, GLM5_TILELANG_BWD=triton /
+tilelang select the other kernels) through the backends' autograd Function (``base.SparseMLAFunction``); the
+default backward is the Triton one where the dense formulation does not apply (long sequences in atomic mode, top-k
+lists without the indexer's host row bounds), said once.  indexer_kl_loss: the fallback's routing and fused indexer
+side, with our one-pass head sums for the target (handed to the fallback as its ``kl_head_probs``) when the KL is
+computed in the forward; with a backward that writes the head sums (dense or triton) and GLM5_TRITON_DEFER_KL auto
+(the default, one process) or 1, the fallback's deferred KL instead (``deferred_indexer_kl``).  Every shape the
+kernels do not take (non-bf16, d_v or d_rope not a power of two; for the KL target also a missing lse) is the
+fallback's, with a warning logged once per reason.  Dense mode (indices None) is the torch reference, as for
+--attn triton.
 """
 
 from __future__ import annotations

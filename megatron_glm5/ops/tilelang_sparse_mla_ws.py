@@ -1,9 +1,11 @@
 """Our warp-specialised TileLang sparse MLA forward (``WS_CONFIG``): the ``--attn tilelang`` forward
 (``tilelang_backend.forward_kernel``; ``GLM5_TILELANG_FWD=plain`` selects the plain loop instead).
 
-Status (2026-12-01): passes the GPU tests of tests/test_ops_tilelang.py on the H200 and runs at 556-559 TFLOP/s at
-S 4096 and 529 at 32768 (session 10; 542 / 499-504 in session 9 on another H200; docs/performance.md).  ptxas: 168
-registers at launch, no spills, 222,208 bytes of dynamic shared memory.  Two earlier failures the builder and tests now guard against: 240 / 32 registers per
+Status (2026-12-02): passes the GPU tests of tests/test_ops_tilelang.py on the H200 and runs at 556-560 TFLOP/s at
+S 4096 and 529-531 at 32768 (sessions 10, 11; 542 / 499-504 in session 9 on another H200; docs/performance.md).
+``WS_BOUNDED_CONFIG`` (each query stops after its last used slot) passes the same tests and equals it bit for bit,
+but measured slower (3.01-3.09 vs 2.09-2.10 ms at S 4096).  ptxas: 168 registers at launch, no spills, 222,208
+bytes of dynamic shared memory.  Two earlier failures the builder and tests now guard against: 240 / 32 registers per
 consumer / producer thread asked 8 more than the block holds (2 x 240 + 32 > 3 x 168), so the consumers'
 setmaxnreg.inc waited forever (the builder rejects such counts; 232 / 40 by default); and both consumers used ONE
 set of register tiles, which TileLang 0.1.15 binds to the threads of the first branch that uses it, dropping the
@@ -48,8 +50,9 @@ import torch
 from . import tilelang_sparse_mla
 from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, check_tiles
 
-__all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "bounded_steps", "WS_GATHER_ALL_CONFIG", "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG",
-           "WS32_EARLY_CONFIG", "build_sparse_fwd_ws", "tilelang_sparse_fwd_ws", "ws_fits"]
+__all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "bounded_steps", "WS_GATHER_ALL_CONFIG",
+           "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG", "build_sparse_fwd_ws",
+           "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
 STEP = 2 * BLOCK_N  # top-k slots per step of the loop (a block per consumer; four 32-row blocks with block_n 32)

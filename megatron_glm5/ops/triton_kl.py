@@ -10,7 +10,8 @@ Two kernels, one program per query token each; nothing of size [T, h, K] or [T, 
 * ``_indexer_kl_kernel`` -- the indexer side, fused: pass 1 gathers the selected index keys, forms the logits
   z_j = sum_h w_h relu(idx_scale * q_idx[t, h] . k_idx[j]) and their log-sum-exp (and sums P for the target's
   normalisation); both passes stop after the query's last used slot (``KL_CONFIG["SKIP_PAD"]``: P is 0 on unused
-  slots; not with the deterministic per-slot rows); pass 2 recomputes z, adds the token's KL(target || softmax(z)) and, when gradients are needed,
+  slots; not with the deterministic per-slot rows); pass 2 recomputes z, adds the token's KL(target ||
+  softmax(z)) and, when gradients are needed,
   g = softmax(z) - target, dw = sum_j g_j relu(a_hj), da = g w (a > 0) idx_scale, dq_idx = da . K, and dk_idx rows
   += da^T q_idx, by ``KL_CONFIG["DK"]``: "dense" -- the kernel scatters da into a zeroed [keys, (query, head)]
   matrix per chunk of query rows (keys below the chunk's end, from the host row bounds the indexer left for the

@@ -35,8 +35,8 @@ synchronisation in the backward.  Summing the contributions of different queries
     search in the sorted keys) adds each key's rows in that fixed order; chunks are added in order.  Bitwise
     reproducible.  "dense" is reproducible in both modes (GEMMs, chunks in order).
 Choose with ``deterministic=`` or the env var GLM5_TRITON_DETERMINISTIC (1 / 0).  Default: atomic.  H200
-(docs/design.md, "The Triton sparse-MLA backward"): S 4096 11.1 ms either mode (the one-kernel backward 29.3 /
-50.5), S 32768 154 atomic / 232 deterministic (277 / 465).
+(docs/design.md, "The Triton sparse-MLA backward"): S 4096 8.7-9.1 ms either mode with dq as a GEMM (10.0 with
+dq in kernel 1; the one-kernel backward 29.3 / 50.5), S 32768 146 atomic / 254 deterministic (session 11).
 
 A transposed formulation (scores as [keys, heads], Q and dO only ever B operands) was tried and measured slower on
 the H200 (69-70 vs 98 TFLOP/s at S 8192, and its 32-key tiles did not fit in shared memory): removed.
