@@ -45,7 +45,7 @@ import torch
 from . import triton_sparse_mla as tsm
 from .base import pad_topk, warn_once
 from .tilelang_sparse_mla import HEAD_BLOCK, LOG2E, check_tiles, compiled_kernel, tilelang_unsupported_reason
-from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, ROWS_PER_PASS, bounded_steps
+from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, block_gatherer, bounded_steps
 
 __all__ = ["PDS_WS_CONFIG", "build_sparse_pds_ws", "pds_ws_unsupported_reason", "tilelang_sparse_bwd_dense"]
 
@@ -167,6 +167,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         return run
 
     consumer0, consumer1 = consumer(0), consumer(1)
+    gather_block = block_gatherer(BLOCK_N, d_v, skip_unused)
 
     @T.prim_func
     def sparse_mla_pds_ws_kernel(
@@ -201,7 +202,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             lse2_1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             dlt1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             hsum1 = T.alloc_fragment((BLOCK_N, ONES_N), acc_t)
-            row = T.alloc_var(idx_t)
+            row = T.alloc_local((1,), idx_t)  # the producer's gathered kv row (block_gatherer)
 
             bar_q = T.alloc_barrier(arrive_count=3 * wg)
             bar_ready = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * 2)  # kv buffer b gathered
@@ -236,20 +237,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 for it in T.serial(n_it):
                     for b in (0, 1):  # Python-unrolled: buffer indices stay Python ints
                         T.barrier_wait(bar_free[b], (it & 1) ^ 1)
-                        for r in T.serial(BLOCK_N // ROWS_PER_PASS):
-                            sel = Idx[tok, (2 * it + b) * BLOCK_N + r * ROWS_PER_PASS + r0]
-                            # an unused slot (p = 0) is not gathered after the first pair: its row keeps an earlier
-                            # block's finite values; the first pair fills it from a clamped row
-                            gather = (T.if_then_else(sel >= 0, T.if_then_else(sel < n_kv, 1, 0), 0)
-                                      if skip_unused else 1)
-                            if T.if_then_else(it == 0, 1, gather) == 1:
-                                row = T.max(T.min(sel, n_kv - 1), 0)
-                                for u in T.unroll(d_v // 64):
-                                    T.ptx_cp_async(
-                                        T.access_ptr(k_lat[b][r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
-                                        T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
-                                T.ptx_cp_async(T.access_ptr(k_rope[b][r * ROWS_PER_PASS + r0, col], "w", 8),
-                                               T.access_ptr(KV[row, d_v + col], "r", 8), 8)
+                        gather_block(KV, Idx, tok, (2 * it + b) * BLOCK_N, it, n_kv, k_lat[b], k_rope[b], r0, col, row)
                         T.cp_async_barrier_noinc(bar_ready[b])
 
     return sparse_mla_pds_ws_kernel

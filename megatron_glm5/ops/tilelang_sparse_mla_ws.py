@@ -63,6 +63,30 @@ ROWS_PER_PASS = PRODUCER_THREADS // 8  # eight producer threads per kv row, 16 b
 LAUNCH_REGS = 168
 
 
+def block_gatherer(block_n: int, d_v: int, skip_unused: bool):
+    """T.macro: the producer warpgroup's gather of one block of block_n kv rows (slots slot0 ..) into a shared
+    buffer by cp.async, eight producer threads per row (thread r0, column col), 16 bytes each (``row``: the caller's
+    int32 var).  An unused slot (-1 or >= n_kv: its score is masked, p = 0) is not gathered after the first step
+    (``it`` 0; skip_unused): its row keeps an earlier block's finite values; the first step fills it from a clamped
+    row (shared memory starts uninitialised).  Our warp-specialised forward and backward scores kernel share it."""
+    import tilelang.language as T
+
+    @T.macro
+    def gather_block(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row):
+        for r in T.serial(block_n // ROWS_PER_PASS):
+            sel = Idx[tok, slot0 + r * ROWS_PER_PASS + r0]
+            gather = T.if_then_else(sel >= 0, T.if_then_else(sel < n_kv, 1, 0), 0) if skip_unused else 1
+            if T.if_then_else(it == 0, 1, gather) == 1:
+                row[0] = T.max(T.min(sel, n_kv - 1), 0)  # a store into the caller's var, as in the kernel body
+                for u in T.unroll(d_v // 64):
+                    T.ptx_cp_async(T.access_ptr(k_lat_b[r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
+                                   T.access_ptr(KV[row[0], u * 64 + col], "r", 8), 8)
+                T.ptx_cp_async(T.access_ptr(k_rope_b[r * ROWS_PER_PASS + r0, col], "w", 8),
+                               T.access_ptr(KV[row[0], d_v + col], "r", 8), 8)
+
+    return gather_block
+
+
 def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, consumer_regs: int = 232,
                         producer_regs: int = 40, skip_unused: bool = True, block_n: int = BLOCK_N,
                         early_release: bool = False, bounded: bool = False, dtype: str = "bfloat16"):
@@ -191,6 +215,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         return run
 
     consumer0, consumer1 = consumer(0), consumer(1)
+    gather_block = block_gatherer(block_n, d_v, skip_unused)
     n_buf = 2 * sets
 
     @T.prim_func
@@ -238,7 +263,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             alpha1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             l_run1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             l_blk1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            row = T.alloc_var(idx_t)
+            row = T.alloc_local((1,), idx_t)  # the producer's gathered kv row (block_gatherer)
             n_it = n_outer  # the steps of this query (a Python int unless bounded)
             if bounded:
                 n_it = T.alloc_var(idx_t)
@@ -281,21 +306,8 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         for b in (0, 1):
                             buf = 2 * st + b
                             T.barrier_wait(bar_free[buf], (it0 & 1) ^ 1)
-                            for r in T.serial(block_n // ROWS_PER_PASS):
-                                sel = Idx[tok, (2 * (it0 * sets + st) + b) * block_n + r * ROWS_PER_PASS + r0]
-                                # an unused slot (score masked, p = 0) is not gathered after the first pair: its
-                                # row keeps an earlier block's finite values; the first pair fills it from a clamped
-                                # row (the buffers start uninitialised)
-                                gather = (T.if_then_else(sel >= 0, T.if_then_else(sel < n_kv, 1, 0), 0)
-                                          if skip_unused else 1)
-                                if T.if_then_else(it0 == 0, 1, gather) == 1:
-                                    row = T.max(T.min(sel, n_kv - 1), 0)
-                                    for u in T.unroll(d_v // 64):
-                                        T.ptx_cp_async(
-                                            T.access_ptr(k_lat[buf][r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
-                                            T.access_ptr(KV[row, u * 64 + col], "r", 8), 8)
-                                    T.ptx_cp_async(T.access_ptr(k_rope[buf][r * ROWS_PER_PASS + r0, col], "w", 8),
-                                                   T.access_ptr(KV[row, d_v + col], "r", 8), 8)
+                            gather_block(KV, Idx, tok, (2 * (it0 * sets + st) + b) * block_n, it0, n_kv, k_lat[buf],
+                                         k_rope[buf], r0, col, row)
                             T.cp_async_barrier_noinc(bar_ready[buf])
 
     return sparse_mla_fwd_ws_kernel
