@@ -121,6 +121,14 @@ def compiled_kernel(builder, *sizes, pass_configs: Optional[dict] = None, **cfg)
     return kernel
 
 
+def bounded_steps(indices: torch.Tensor, n_keys: int, step: int) -> torch.Tensor:
+    """Per query, the number of ``step``-slot steps up to its last used slot (int32 [T], on the device): the loop
+    bound of our bounded warp-specialised kernels (the -1 padding of a causal top-k list is at its end)."""
+    from .triton_sparse_mla import used_slot_ends
+
+    return ((used_slot_ends(indices, n_keys) + (step - 1)) // step).to(torch.int32)
+
+
 def check_tiles(heads: int, topk: int, block_n: int) -> None:
     """The kernels tile heads by HEAD_BLOCK and the top-k slots by block_n (the wrappers pad both)."""
     if heads % HEAD_BLOCK or topk % block_n:
@@ -261,9 +269,7 @@ def tilelang_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     if n_q > 0:
         args = (q_k, kv.contiguous(), idx)
         if getattr(cfg.get("builder"), "takes_ends", False):  # the warp-specialised kernel: its loop bounds
-            from .tilelang_sparse_mla_ws import bounded_steps
-
-            args += (bounded_steps(indices, kv.shape[0]) if cfg.get("bounded") else
+            args += (bounded_steps(indices, kv.shape[0], topk_multiple) if cfg.get("bounded") else
                      torch.zeros(1, dtype=torch.int32, device=q.device),)
         kernel = _compiled(h_pad, d_v, d_rope, idx.shape[1], softmax_scale, cfg)
         kernel(*args, out_k, lse_k)

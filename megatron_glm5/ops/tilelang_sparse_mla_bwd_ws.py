@@ -44,8 +44,9 @@ import torch
 
 from . import triton_sparse_mla as tsm
 from .base import pad_topk, warn_once
-from .tilelang_sparse_mla import HEAD_BLOCK, LOG2E, check_tiles, compiled_kernel, tilelang_unsupported_reason
-from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, block_gatherer, bounded_steps
+from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, bounded_steps, check_tiles, compiled_kernel,
+                                  tilelang_unsupported_reason)
+from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, block_gatherer
 
 __all__ = ["PDS_WS_CONFIG", "build_sparse_pds_ws", "pds_ws_unsupported_reason", "tilelang_sparse_bwd_dense"]
 

@@ -50,7 +50,7 @@ import torch
 from . import tilelang_sparse_mla
 from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, check_tiles
 
-__all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "bounded_steps", "WS_GATHER_ALL_CONFIG",
+__all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG",
            "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG", "build_sparse_fwd_ws",
            "tilelang_sparse_fwd_ws", "ws_fits"]
 
@@ -102,7 +102,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     buffers in the same order (even block first) and free each right after its last use (p published with an
     explicit async-proxy fence), so the producer can refill the even buffer during the odd block's p V.
     bounded: the kernel takes Ends int32 [n_q] after Idx, each query's count of 128-slot steps up to its last
-    used slot (``bounded_steps``), and stops there (the causal padding of early tokens is not computed)."""
+    used slot (``tilelang_sparse_mla.bounded_steps``), and stops there (the causal padding of early tokens is not computed)."""
     import tilelang.language as T
 
     if block_n not in (32, BLOCK_N):
@@ -331,14 +331,6 @@ WS32_EARLY_CONFIG = dict(WS_CONFIG, block_n=32)
 
 
 build_sparse_fwd_ws.takes_ends = True  # the kernel's 4th argument is Ends (a placeholder unless bounded)
-
-
-def bounded_steps(indices: torch.Tensor, n_keys: int, step: int = STEP) -> torch.Tensor:
-    """Per query, the number of ``step``-slot steps up to its last used slot (int32 [T], on the device): the loop
-    bound of a bounded kernel (the -1 padding of a causal top-k list is at its end)."""
-    from .triton_sparse_mla import used_slot_ends
-
-    return ((used_slot_ends(indices, n_keys) + (step - 1)) // step).to(torch.int32)
 
 
 def ws_fits(q: torch.Tensor, d_v: int) -> bool:
