@@ -178,6 +178,14 @@ def test_wrapper_without_head_sums_passes_a_placeholder(monkeypatch):
     assert rel_l2(got_dq, want_dq) <= 1e-2 and rel_l2(got_dkv, want_dkv) <= 1e-2
 
 
+def test_wrapper_rejects_head_sums_it_cannot_fill():
+    q, kv, idx = _inputs(4, 50, 64, 128, seed=9)
+    lse, d_out = torch.zeros(4, 64), torch.zeros(4, 64, DV, dtype=torch.bfloat16)
+    for bad in (torch.empty(4, 127), torch.empty(4, 128, dtype=torch.float64), torch.empty(128, 4).t()):
+        with pytest.raises(ValueError, match=r"head_sums must be a contiguous fp32 \[T, topk\] = \(4, 128\)"):
+            tlbws.tilelang_sparse_bwd_dense(q, kv, idx, d_out, lse, d_out, None, 0.1, DV, head_sums=bad)
+
+
 def test_wrapper_falls_back_to_triton_once_per_reason(monkeypatch, caplog):
     """No host row bounds (top-k lists from elsewhere), too many heads for one block, fp32: the Triton backward,
     said once per reason."""

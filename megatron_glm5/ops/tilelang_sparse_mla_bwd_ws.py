@@ -272,6 +272,10 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
     indexer's host row bounds known, few enough keys per slot); elsewhere, and for inputs the kernel does not
     take, the Triton backward (said once per reason).  Deterministic in both modes.  config: PDS_WS_CONFIG's keys
     and the dense plan's (upper case, triton_sparse_mla.BWD_CONFIG's: DENSE_ROWS)."""
+    if head_sums is not None and (head_sums.shape != indices.shape or head_sums.dtype != torch.float32
+                                  or not head_sums.is_contiguous()):
+        raise ValueError(f"head_sums must be a contiguous fp32 [T, topk] = {tuple(indices.shape)} tensor, got "
+                         f"{head_sums.dtype} {tuple(head_sums.shape)}")
     cfg = dict(PDS_WS_CONFIG, **(config or {}))
     plan_cfg = {k: cfg.pop(k) for k in list(cfg) if k.isupper()}  # the dense plan's BWD_CONFIG keys (DENSE_ROWS)
     why = pds_ws_unsupported_reason(q, kv, d_v)
