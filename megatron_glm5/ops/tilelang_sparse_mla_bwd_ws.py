@@ -29,7 +29,7 @@ the schedule of our warp-specialised forward (tilelang_sparse_mla_ws):
 Status (2026-12-02, session 11, H200, docs/performance.md): the GPU tests pass (dq / dkv against the fp32
 reference at GLM-5 shapes, causal and packed; head sums within 1e-3 of the Triton backward's; bitwise repeatable;
 padded heads, rows without keys, d_lse); S 4096 backward 6.84-7.03 ms (415-427 TFLOP/s; the kernel 2.54 ms, the
-cuBLAS GEMMs 2.84, the zero fills 0.80) against the Triton backward's 8.68-9.05 and cuDNN's 465 TFLOP/s
+cuBLAS GEMMs 2.84, the zero fills 0.80) against the Triton backward's 8.60-9.05 and cuDNN's 465 TFLOP/s
 (2026-11-30).  ptxas: 168 registers at launch, no spills.
 
 Shared memory: q 72 KB + two kv buffers of 72 KB; registers: dO 128 per consumer thread + the two fp32 64 x 64

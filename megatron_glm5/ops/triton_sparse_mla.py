@@ -35,7 +35,7 @@ synchronisation in the backward.  Summing the contributions of different queries
     search in the sorted keys) adds each key's rows in that fixed order; chunks are added in order.  Bitwise
     reproducible.  "dense" is reproducible in both modes (GEMMs, chunks in order).
 Choose with ``deterministic=`` or the env var GLM5_TRITON_DETERMINISTIC (1 / 0).  Default: atomic.  H200
-(docs/design.md, "The Triton sparse-MLA backward"): S 4096 8.7-9.1 ms either mode with dq as a GEMM (10.0 with
+(docs/design.md, "The Triton sparse-MLA backward"): S 4096 8.6-9.1 ms either mode with dq as a GEMM (10.0 with
 dq in kernel 1; the one-kernel backward 29.3 / 50.5), S 32768 146 atomic / 254 deterministic (session 11).
 
 A transposed formulation (scores as [keys, heads], Q and dO only ever B operands) was tried and measured slower on
