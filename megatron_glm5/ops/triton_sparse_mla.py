@@ -90,8 +90,8 @@ FWD_CONFIG = dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2)
 # products left the kernel (213 KB at BLOCK_N 64, one stage)
 BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", SKIP_PAD=True,
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
-                  DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128, DENSE_BLOCK_J=64,
-                  DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3)
+                  DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128,
+                  DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3)
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
 # _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
 # chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_ROWS: at
@@ -763,8 +763,8 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         plan = dense_plan(q, kv, indices, det, cfg, row_hi) if mode == "dense" else None
         if mode == "slots":
             pds = torch.empty(rows * 2 * topk * hp, dtype=q.dtype, device=q.device)
-        elif plan is not None:
-            pds, p_off = plan.pds, plan.p_off
+        elif plan is not None:  # its chunks are the loop's (one place: _dense_rows)
+            pds, p_off, rows, starts = plan.pds, plan.p_off, plan.rows, plan.starts
         elif mode == "dense":
             # zeroed once: each chunk's dkv kernel zeroes the tiles it read (the scattered entries) again
             p_off = n_keys * rows * h
