@@ -37,7 +37,7 @@ import traceback
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# benchmarks/kernels.py would shadow the `kernels` package transformers imports: the repository root, not this folder
+# the repository root on the path, not this folder (a benchmark module here must not shadow an installed package)
 sys.path[:] = [os.path.dirname(_HERE)] + [q for q in sys.path if os.path.abspath(q or ".") != _HERE]
 
 KERNEL_REPO = "kernels-community/finegrained-fp8"

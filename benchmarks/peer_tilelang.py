@@ -1,4 +1,4 @@
-"""Peer rows for benchmarks/kernels.py: TileLang's public DeepSeek-V3.2 example kernels (sparse MLA forward and
+"""Peer rows for benchmarks/dsa_kernels.py: TileLang's public DeepSeek-V3.2 example kernels (sparse MLA forward and
 backward), timed on the same inputs, in the same process, with the same timer as our kernels.
 
     python benchmarks/peer_tilelang.py --examples DIR [--seqs 4096 32768] [--json out.json]
@@ -7,7 +7,7 @@ backward), timed on the same inputs, in the same process, with the same timer as
 pipelined and seesaw examples -- per sequence length, in one process.)
 
 The examples are not part of this repository (we ship only code we wrote); pass the ``examples/deepseek_v32``
-folder of a tile-ai/tilelang checkout with ``benchmarks/kernels.py --tilelang-examples DIR``.  The folder needs
+folder of a tile-ai/tilelang checkout with ``benchmarks/dsa_kernels.py --tilelang-examples DIR``.  The folder needs
 ``sparse_mla_fwd.py``, ``sparse_mla_bwd.py`` and ``utils.py`` (``sparse_mla_fwd_pipelined.py`` and
 ``sparse_mla_fwd_seesaw.py`` are timed when present); the rows were measured with tile-ai/tilelang a35008a4 and
 tilelang 0.1.15.
@@ -19,7 +19,7 @@ batch 1, one kv group and our indexer's top-k with our -1 padding mapped to S_kv
 ``sparse_mla_fwd_interface(q, kv, idx, q_start_index_s=0, kv_stride=1)`` (warp-specialised, 384 threads); the
 backward is ``sparse_mla_bwd`` (its Delta preprocess, the main kernel with fp32 atomic dkv, the dkv cast) given the
 example forward's out and lse.  A forward example that fails to compile or run here is logged, not timed.
-FLOP counts are ours (the module docstring of kernels.py), so their TFLOP/s is comparable with our rows; their own
+FLOP counts are ours (the module docstring of dsa_kernels.py), so their TFLOP/s is comparable with our rows; their own
 script counts the backward 1.2% higher.
 """
 
@@ -103,7 +103,7 @@ def add_rows(p, folder, add, timed, reps, dv):
 
 def main(argv=None):
     """The forward rows alone: ours (every configuration of ours_fwd_configs) and the examples, per sequence."""
-    import kernels  # benchmarks/, the script's folder
+    import dsa_kernels as kernels  # benchmarks/, the script's folder
 
     from megatron_glm5.ops import tilelang_sparse_mla as tlm
     from megatron_glm5.ops import tilelang_sparse_mla_ws as tlws

@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from kernels import BWD_SWEEP, DENSE_SWEEP, DQK, DV, H, TOPK  # benchmarks/, the script's folder
+from dsa_kernels import BWD_SWEEP, DENSE_SWEEP, DQK, DV, H, TOPK  # benchmarks/, the script's folder
 
 
 def compiled_stats(fn):

@@ -33,9 +33,9 @@ def test_proxy_step_benchmark_runs_both_implementations(tmp_path):
 
 
 def test_kernel_sweep_keeps_the_fastest_configuration_and_records_failures(monkeypatch):
-    """benchmarks/kernels.py's sweep helper (the timing itself needs a GPU: replaced by a fake clock here)."""
+    """benchmarks/dsa_kernels.py's sweep helper (the timing itself needs a GPU: replaced by a fake clock here)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
-    import kernels
+    import dsa_kernels as kernels
 
     def fake_timed(fn, refill, reps):
         return fn()
@@ -91,3 +91,14 @@ def test_trace_gaps_finds_the_idle_gpu_time_and_who_issued_late(tmp_path):
     res = trace_gaps.report(str(path), 5, 1.0, out=io.StringIO())
     assert res["gap_ms"] == 0.015 and res["late_gap_ms"] == 0.010 and res["span_ms"] == 0.040
     assert res["late_by_op_ms"] == {"slow_op": 0.010}
+
+
+def test_no_benchmark_module_shadows_an_installed_package():
+    """`python benchmarks/X.py` puts benchmarks/ first on the module path, so a benchmark module named like an
+    installed package replaces it for every importer (benchmarks/kernels.py did so for the `kernels` package that
+    transformers 5.25 imports, and the proxy step failed to build transformers' model)."""
+    import importlib.metadata
+
+    installed = set(importlib.metadata.packages_distributions())
+    stems = {p.stem for p in (REPO / "benchmarks").glob("*.py")}
+    assert not stems & installed, sorted(stems & installed)

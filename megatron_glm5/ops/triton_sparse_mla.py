@@ -100,7 +100,7 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
 # "auto" picks "dense" while n_keys / topk (host-known: the keys "dense" may multiply per query against the slots
-# "slots" adds) is at most this, per dkv mode.  H200, benchmarks/kernels.py (docs/design.md), causal, where the
+# "slots" adds) is at most this, per dkv mode.  H200, benchmarks/dsa_kernels.py (docs/design.md), causal, where the
 # keys really multiplied are about half of n_keys: at S 4096 (n_keys / topk 2) "dense" is faster in both modes; at
 # S 32768 (16) "slots" is faster atomic and "dense" deterministic (no sort, no segmented sums)
 DENSE_KEY_RATIO = {"atomic": 4.0, "deterministic": 20.0}

@@ -1,6 +1,6 @@
 """Benchmark of the Triton DSA kernels (megatron_glm5/ops/triton_*.py) at GLM-5 shapes on one GPU.
 
-    python benchmarks/kernels.py [--seqs 4096 32768] [--sweep] [--bwd-only] [--json kernels.json]
+    python benchmarks/dsa_kernels.py [--seqs 4096 32768] [--sweep] [--bwd-only] [--json kernels.json]
 
 Shapes: T = S query tokens (batch 1, causal), h = 64 heads, d_qk = 576 (512 latent + 64 rope), d_v = 512,
 top-k 2048, indexer 32 heads x 128, bf16.  The top-k indices are the Triton indexer's own output on random
@@ -450,7 +450,7 @@ def main(argv=None):
                     help="the GPU's measured bf16 matmul TFLOP/s, for the %% of peak column (default: the H200's)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU")
+        sys.exit("benchmarks/dsa_kernels.py needs a CUDA GPU")
 
     def log(msg):
         print(msg, flush=True)
