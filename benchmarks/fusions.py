@@ -95,6 +95,12 @@ def bench_kl_target(seq, warmup, reps):
     return res
 
 
+# the tile form's block shapes / chunk rows timed beside its default (triton_kl_tiles.TILE_CONFIG)
+TILE_VARIANTS = {"t2_n64_w4": dict(BLOCK_T=2, BLOCK_N=64, num_warps=4), "t4_n32": dict(BLOCK_N=32),
+                 "t4_n128": dict(BLOCK_N=128, num_stages=1), "t4_n64_w4": dict(num_warps=4),
+                 "t4_n64_s3": dict(num_stages=3), "rows2048": dict(ROWS=2048), "rows512": dict(ROWS=512)}
+
+
 def bench_indexer_kl(seq, warmup, reps):
     """The fused indexer KL kernel alone (``triton_kl.indexer_kl_grads``, GLM-5's indexer: 32 heads x 128, top-k
     2048 causal from our indexer, head sums given): without gradients, and with them by each d_k_idx path (fp32
@@ -126,10 +132,18 @@ def bench_indexer_kl(seq, warmup, reps):
         host_windows.remember_row_ends(idx, torch.arange(seq, dtype=torch.int64))
     res = {"seq": seq}
 
-    def run(need_grad, det=False, dk="atomic", skip=True):
+    def run(need_grad, det=False, dk="atomic", skip=True, form="slots", tiles=None):
         return triton_kl.indexer_kl_grads(qi, ki, w, idx, hs, DI ** -0.5, deterministic=det, need_grad=need_grad,
-                                          config=dict(DK=dk, SKIP_PAD=skip))
+                                          config=dict(DK=dk, SKIP_PAD=skip, FORM=form, TILES=tiles))
 
+    # the tile form (triton_kl_tiles): the default's choice, without gradients, and block shapes / chunk rows
+    res["tiles_ms"] = timed(lambda: run(True, form="tiles"), refill, warmup, reps)
+    res["tiles_no_grad_ms"] = timed(lambda: run(False, form="tiles"), refill, warmup, reps)
+    for name, tiles in TILE_VARIANTS.items():
+        try:
+            res[f"tiles_{name}_ms"] = timed(lambda: run(True, form="tiles", tiles=tiles), refill, warmup, reps)
+        except Exception as e:  # a shape that does not compile / fit: say so, keep the others
+            res[f"tiles_{name}_ms"] = f"{type(e).__name__}: {str(e)[:120]}"
     res["no_grad_ms"] = timed(lambda: run(False), refill, warmup, reps)
     for det in (False, True):
         for dk in ("atomic", "dense"):
@@ -145,6 +159,11 @@ def bench_indexer_kl(seq, warmup, reps):
         res[f"{dk}_{'det' if det else 'atomic_mode'}_dk_rel_diff"] = float((got - dk_ref).norm() / dk_ref.norm())
     again = run(True, True, "dense")[3]
     res["dense_bitwise_repeat"] = bool(torch.equal(again, run(True, True, "dense")[3]))
+    tiles = run(True, form="tiles")
+    slots = run(True)
+    for i, name in ((0, "kl"), (2, "dq"), (3, "dk"), (4, "dw")):
+        res[f"tiles_{name}_rel_diff"] = float((tiles[i] - slots[i]).norm() / slots[i].norm())
+    res["tiles_bitwise_repeat"] = bool(torch.equal(tiles[3], run(True, form="tiles")[3]))
     del qi, ki, w, hs, idx
     torch.cuda.empty_cache()
     return res
@@ -288,7 +307,8 @@ def bench_regions(tokens, warmup, reps):
     import torch.nn.functional as F
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl, weighted_bias_swiglu_impl
 
-    from megatron_glm5.model.mla import absorbed_query, latent_key
+    from megatron_glm5.model.absorbed_mla import absorbed_query, expanded_output, rope_rotate
+    from megatron_glm5.model.mla import latent_key
     from megatron_glm5.model.moe import glm5_topk_routing
     from megatron_glm5.model.norm import rms_norm
     from megatron_glm5.model.rope import rope_prefix
@@ -305,6 +325,14 @@ def bench_regions(tokens, warmup, reps):
         act = F.silu(h[:, :2048]) * h[:, 2048:]
         return (act.float() * w.float().unsqueeze(-1)).to(act.dtype)
 
+    def query_einsum(q_, w_uk, fuse):  # the path before model/absorbed_mla.py: einsum, cat, token-order view
+        q_lat = torch.einsum("sbhn,hnc->sbhc", q_[..., :192], w_uk)
+        q_abs = torch.cat([q_lat, rope_rotate(q_[..., 192:], cos, sin, fuse=fuse)], dim=-1)
+        return q_abs.transpose(0, 1).reshape(tokens, H, 576)
+
+    def output_einsum(o, w_uv, fuse):  # likewise: einsum, then the sequence-first copy
+        return torch.einsum("thc,hvc->thv", o, w_uv).reshape(1, tokens, H * 256).transpose(0, 1).contiguous()
+
     cases = {  # name: (eager fn, fused fn, tensors with gradients, other arguments)
         "rms_norm hidden": (rms_norm, None, [torch.randn(tokens, 1, 6144, device=dev, dtype=bf),
                                              torch.ones(6144, device=dev, dtype=bf)], [1e-5]),
@@ -313,8 +341,14 @@ def bench_regions(tokens, warmup, reps):
         "latent_key (norm+rope+cat)": (latent_key, None, [torch.randn(tokens, 1, 576, device=dev, dtype=bf),
                                                           torch.ones(512, device=dev, dtype=bf)],
                                        [1e-6, cos, sin, 512]),
-        "absorbed_query (rope+cat)": (absorbed_query, None, [torch.randn(tokens, 1, H, 512, device=dev, dtype=bf),
-                                                             q[..., 192:]], [cos, sin]),
+        "query absorption, einsum + cat (before)": (query_einsum, None, [q, torch.randn(H, 192, 512, device=dev,
+                                                                                     dtype=bf)], []),
+        "query absorption, absorbed_mla": (lambda q_, w, fuse: absorbed_query(q_, w, cos, sin, fuse=fuse), None,
+                                           [q, torch.randn(H, 192, 512, device=dev, dtype=bf)], []),
+        "output expansion, einsum + copy (before)": (output_einsum, None, [
+            torch.randn(tokens, H, 512, device=dev, dtype=bf), torch.randn(H, 256, 512, device=dev, dtype=bf)], []),
+        "output expansion, absorbed_mla": (lambda o, w, fuse: expanded_output(o, w, tokens, 1), None, [
+            torch.randn(tokens, H, 512, device=dev, dtype=bf), torch.randn(H, 256, 512, device=dev, dtype=bf)], []),
         "indexer rope_prefix q": (rope_prefix, None, [torch.randn(tokens, 1, HI, DI, device=dev, dtype=bf)],
                                   [cos, sin, 64]),
         "router top-k": (router, None, [torch.randn(tokens, 256, device=dev)],

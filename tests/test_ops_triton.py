@@ -53,16 +53,20 @@ MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("p
                 ("cp", True, "dense_chunked"), ("packed", True, "dense_chunked_split1"),
                 ("cp", False, "dense_chunked_split3"), ("empty_rows", False, "dense_host_bounds"),
                 ("cp", True, "dense_chunked_host_bounds")]
-# indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block, d_k_idx path); top-k 8 / 16 / 12
-# below, so block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12). Paths
-# (tests/triton_interp_runner.KL_DK): "auto" without host row bounds (atomics / deterministic rows), "dense" with the
-# indexer's host bounds (loose ones), in chunks of 3 query rows, and asked for without bounds (falls back)
+# indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block, form / d_k_idx path); top-k 8 / 16
+# / 12 below, so block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12). Paths
+# (tests/triton_interp_runner.KL_DK): "auto" without host row bounds (slot form: atomics / deterministic rows),
+# "auto_bounds" with them (the tile form where n_keys / top-k <= TILES_KEY_RATIO: cp 40 / 16; not empty_rows 64 /
+# 12: the slot form), "dense" (the slot form's dense d_k_idx) with the indexer's host bounds (loose ones), in chunks of 3
+# query rows, and asked for without bounds (falls back); "tiles" (the tile form) likewise
 KL_MODES = [("packed", False, True, 16, "auto"), ("packed", True, False, 8, "auto"), ("cp", True, True, 8, "auto"),
             ("cp", False, False, 16, "auto"), ("empty_rows", False, True, 8, "auto"),
             ("empty_rows", True, True, 16, "auto"), ("packed", False, True, 8, "dense"),
             ("cp", True, False, 16, "dense_chunked"), ("empty_rows", False, True, 8, "dense_chunked"),
             ("cp", False, True, 8, "auto_bounds"), ("empty_rows", True, False, 8, "auto_bounds"),
-            ("packed", True, True, 16, "dense_no_bounds")]
+            ("packed", True, True, 16, "dense_no_bounds"), ("packed", False, True, 8, "tiles"),
+            ("cp", True, False, 16, "tiles_chunked"), ("empty_rows", False, True, 8, "tiles_chunked"),
+            ("empty_rows", True, True, 8, "tiles_no_bounds")]
 TOPK_CASES = [("batch2", 5), ("packed", 64), ("cp", 5), ("empty_rows", 64)]  # 64: more than any window
 
 
@@ -162,8 +166,12 @@ def test_interp_indexer_kl_loss(interp, name, deterministic, with_lse, block_n, 
     cases, res = interp
     c = cases[f"kl_{name}"]
     got = res[f"kl_{name}"][deterministic, with_lse, block_n, dk]
-    # the path the variant is about: auto takes the dense one with bounds in deterministic mode only
-    assert got["dense"] == (dk in ("dense", "dense_chunked") or (dk == "auto_bounds" and deterministic))
+    # the path the variant is about: auto takes the tile form with bounds where n_keys / top-k <= 4 (cp: 40 / 16;
+    # not empty_rows: 64 / 12), else the slot form's dense d_k_idx with bounds in deterministic mode
+    n_keys, topk = c["k_idx"].shape[0], c["indices"].shape[1]
+    tiles = dk in ("tiles", "tiles_chunked") or (dk == "auto_bounds" and n_keys / topk <= 4)
+    assert got["tiles"] == tiles
+    assert got["dense"] == (dk in ("dense", "dense_chunked") or (dk == "auto_bounds" and deterministic and not tiles))
     from triton_interp_runner import HOOKS
 
     q_idx = c["q_idx"].to(F64).requires_grad_()
@@ -180,14 +188,16 @@ def test_interp_indexer_kl_loss(interp, name, deterministic, with_lse, block_n, 
 
 
 @needs_triton
-@pytest.mark.parametrize("deterministic,skip", [(False, True), (False, False), (True, True)])
-def test_interp_indexer_kl_from_a_given_target_with_the_padding_skip(interp, deterministic, skip):
-    """indexer_kl_grads (the deferred KL's entry) from given head sums against an fp64 KL written here, with and
-    without the padding skip (the -1 tail of the top-k rows, which SKIP_PAD stops before; deterministic mode: the
-    per-slot rows, no skip)."""
+@pytest.mark.parametrize("deterministic,skip,form", [(False, True, "slots"), (False, False, "slots"),
+                                                     (True, True, "slots"), (False, True, "tiles"),
+                                                     (True, True, "tiles")])
+def test_interp_indexer_kl_from_a_given_target_with_the_padding_skip(interp, deterministic, skip, form):
+    """indexer_kl_grads (the deferred KL's entry) from given head sums against an fp64 KL written here: the slot
+    form with and without the padding skip (the -1 tail of the top-k rows, which SKIP_PAD stops before;
+    deterministic mode: the per-slot rows, no skip), and the tile form (chunks of 5 query rows)."""
     cases, res = interp
     c = cases["kl_given_target"]
-    kl, n, d_qi, d_ki, d_w = res["kl_given_target"][deterministic, skip]
+    kl, n, d_qi, d_ki, d_w = res["kl_given_target"][deterministic, skip, form]
     idx = c["indices"].long()
     ok = (idx >= 0) & (idx < c["k_idx"].shape[0])
     q_idx, k_idx, w = (c[k].to(F64).requires_grad_() for k in ("q_idx", "k_idx", "weights"))
@@ -305,7 +315,7 @@ def test_gpu_sparse_mla_real_shapes(layout, bwd):
     assert not out.isnan().any() and not lse.isnan().any()
     assert rel_l2(out, ro) <= 1e-2 and rel_l2(lse, rl) <= 1e-2
     grads = {}
-    # the configuration used when shared memory is short; the previous one-kernel backward (benchmarks/kernels.py)
+    # the configuration used when shared memory is short; the previous one-kernel backward (benchmarks/dsa_kernels.py)
     # (at S 4096 "auto" is "dense"; "slots" is the long-sequence formulation)
     cfg = {"default": None, "fallback": tsm.BWD_FALLBACKS[0], "slots": dict(DK="slots"),
            "one_kernel": tsm.ONE_KERNEL_BWD_CONFIG, "dense_split1": dict(DK="dense", DENSE_SPLIT=1)}[bwd]
@@ -422,21 +432,28 @@ def test_gpu_indexer_kl_loss_real_shapes():
         if det:
             det_grads.append(a[1].grad)
     assert torch.equal(det_grads[0], det_grads[1])  # deterministic d_k_idx: bitwise the same run to run
-    # the dense d_k_idx path, with the host row bounds the indexer leaves (here: read back), either mode
-    from megatron_glm5.ops import host_windows
+    # with the host row bounds the indexer leaves (here: read back): the slot form's dense d_k_idx and the tile
+    # form (its G buffer NaN-poisoned: every element must be written), either mode
+    from megatron_glm5.ops import host_windows, triton_kl_tiles
     idx_b = idx.clone()
     host_windows.remember_row_ends(idx_b, idx_b.max(1).values.long().cpu())
-    dense_grads = []
-    for det in (False, True):
-        a = [x.clone().requires_grad_() for x in (qi, ki, w)]
-        kl_t, n_t = triton_kl.indexer_kl_loss_sparse(a[0], a[1], a[2], DI ** -0.5, q, kv, DQK ** -0.5, idx_b, DV,
-                                                     attn_lse=lse, deterministic=det, config=dict(DK="dense"))
-        kl_t.backward()
-        assert n_t == n_r and abs(float(kl_t - kl_r)) <= 1e-2 * abs(float(kl_r))
-        for x, gr, name in zip(a, g_r, ("d_q_idx", "d_k_idx", "d_w")):
-            assert not x.grad.isnan().any() and rel_l2(x.grad, gr) <= 1e-2, (name, det, rel_l2(x.grad, gr))
-        dense_grads.append(a[1].grad)
-    assert torch.equal(dense_grads[0], dense_grads[1])  # no atomics: the same bits in both modes
+    real_new_g = triton_kl_tiles._new_g
+    triton_kl_tiles._new_g = lambda *a: real_new_g(*a).fill_(float("nan"))
+    try:
+        for config in (dict(FORM="slots", DK="dense"), dict(FORM="tiles")):
+            no_atomics = []
+            for det in (False, True):
+                a = [x.clone().requires_grad_() for x in (qi, ki, w)]
+                kl_t, n_t = triton_kl.indexer_kl_loss_sparse(a[0], a[1], a[2], DI ** -0.5, q, kv, DQK ** -0.5, idx_b,
+                                                             DV, attn_lse=lse, deterministic=det, config=config)
+                kl_t.backward()
+                assert n_t == n_r and abs(float(kl_t - kl_r)) <= 1e-2 * abs(float(kl_r)), (config, float(kl_t))
+                for x, gr, name in zip(a, g_r, ("d_q_idx", "d_k_idx", "d_w")):
+                    assert not x.grad.isnan().any() and rel_l2(x.grad, gr) <= 1e-2, (name, config, rel_l2(x.grad, gr))
+                no_atomics.append(a[1].grad)
+            assert torch.equal(no_atomics[0], no_atomics[1])  # no atomics: the same bits in both modes
+    finally:
+        triton_kl_tiles._new_g = real_new_g
 
 
 @needs_triton
@@ -459,6 +476,31 @@ def test_indexer_kl_dense_dk_choice_and_its_fallback_is_logged(caplog, monkeypat
     assert "DK='dense' needs the host row bounds" in caplog.text and "atomic d_k_idx path" in caplog.text
     with pytest.raises(ValueError, match="unknown DK mode 'fast'"):
         triton_kl._dk_dense({"DK": "fast"}, bounds, 4096, 2048, False)
+
+
+@needs_triton
+def test_indexer_kl_tile_form_choice_and_its_fallback_is_logged(caplog, monkeypatch):
+    """FORM "auto": the tile form with host bounds while n_keys / top-k <= 4 (either mode), the slot form beyond or
+    without bounds; "tiles" asked for top-k lists without bounds says once that it takes the slot form; an unknown
+    form is refused."""
+    import logging
+
+    from megatron_glm5.ops import base, triton_kl
+
+    monkeypatch.setattr(base, "_warned", set())
+    bounds = torch.zeros(4, dtype=torch.int64)
+    assert triton_kl._tiles_form({"FORM": "auto"}, bounds, 4096, 2048)
+    assert triton_kl._tiles_form({"FORM": "auto"}, bounds, 8192, 2048)  # ratio 4
+    assert not triton_kl._tiles_form({"FORM": "auto"}, bounds, 16384, 2048)
+    assert triton_kl._tiles_form({"FORM": "auto"}, bounds, 100, 2048)  # fewer keys than top-k: ratio 1
+    assert not triton_kl._tiles_form({"FORM": "auto"}, None, 4096, 2048)
+    assert not triton_kl._tiles_form({"FORM": "slots"}, bounds, 4096, 2048)
+    assert triton_kl._tiles_form({"FORM": "tiles"}, bounds, 32768, 2048)
+    with caplog.at_level(logging.WARNING, logger="megatron_glm5.ops"):
+        assert not triton_kl._tiles_form({"FORM": "tiles"}, None, 4096, 2048)
+    assert "FORM='tiles' needs the host row bounds" in caplog.text and "the slot form" in caplog.text
+    with pytest.raises(ValueError, match="unknown FORM 'fast'"):
+        triton_kl._tiles_form({"FORM": "fast"}, bounds, 4096, 2048)
 
 
 def test_head_dims_below_the_dot_minimum_fall_back_on_a_gpu(monkeypatch):

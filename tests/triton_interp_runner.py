@@ -60,18 +60,23 @@ def run_mla(c):
     return res
 
 
-# the indexer KL's d_k_idx paths (test_ops_triton.KL_MODES): config overrides, and whether host row bounds are left
-KL_DK = {"auto": ({}, False), "auto_bounds": ({}, True), "dense": (dict(DK="dense"), True),
-         "dense_chunked": (dict(DK="dense", DENSE_ROWS=3), True), "dense_no_bounds": (dict(DK="dense"), False)}
+# the indexer KL's forms and d_k_idx paths (test_ops_triton.KL_MODES): config overrides, and whether host row
+# bounds are left.  "auto*": the default rules; "dense*": the slot form's dense d_k_idx; "tiles*": the tile form
+KL_DK = {"auto": ({}, False), "auto_bounds": ({}, True), "dense": (dict(FORM="slots", DK="dense"), True),
+         "dense_chunked": (dict(FORM="slots", DK="dense", DENSE_ROWS=3), True),
+         "dense_no_bounds": (dict(FORM="slots", DK="dense"), False),
+         "tiles": (dict(FORM="tiles", TILES=dict(BLOCK_N=8)), True),
+         "tiles_chunked": (dict(FORM="tiles", TILES=dict(BLOCK_N=16, BLOCK_T=2, ROWS=3)), True),
+         "tiles_no_bounds": (dict(FORM="tiles"), False)}
 
 
 def run_kl(c):
     """Each mode: (deterministic d_k_idx, the forward's lse passed or not, KL block size, d_k_idx path)."""
-    from megatron_glm5.ops import host_windows, triton_kl, triton_sparse_mla
+    from megatron_glm5.ops import host_windows, triton_kl, triton_kl_tiles, triton_sparse_mla
 
     lse = triton_sparse_mla.sparse_mla_fwd(c["q"], c["kv"], c["indices"], c["scale"], c["d_v"])[1]
     res = {}
-    real_mm = triton_kl._mm_fp32
+    real_mm, real_tiles = triton_kl._mm_fp32, triton_kl_tiles.kl_tiles
     for det, with_lse, block_n, dk in c["modes"]:
         overrides, bounds = KL_DK[dk]
         indices = c["indices"].clone()
@@ -79,8 +84,9 @@ def run_kl(c):
             top = indices.max(1).values.long()
             host_windows.remember_row_ends(indices, torch.where(top >= 0, (top + 2).clamp(max=c["kv"].shape[0] - 1),
                                                                 -1))
-        products = []
+        products, tiles = [], []
         triton_kl._mm_fp32 = lambda a, b: products.append(1) or real_mm(a, b)
+        triton_kl_tiles.kl_tiles = lambda *a, **k: tiles.append(1) or real_tiles(*a, **k)
         q_idx = c["q_idx"].clone().requires_grad_()
         k_idx = c["k_idx"].clone().requires_grad_()
         w = c["weights"].clone().requires_grad_()
@@ -89,9 +95,9 @@ def run_kl(c):
             token_mask=c.get("token_mask"), head_sum_reduce=HOOKS[c.get("hook", "none")],
             attn_lse=lse if with_lse else None, deterministic=det, config=dict(BLOCK_N=block_n, **overrides))
         kl.backward()
-        triton_kl._mm_fp32 = real_mm
+        triton_kl._mm_fp32, triton_kl_tiles.kl_tiles = real_mm, real_tiles
         res[det, with_lse, block_n, dk] = dict(kl=kl.detach(), n=n, d_q_idx=q_idx.grad, d_k_idx=k_idx.grad,
-                                               d_w=w.grad, dense=bool(products))
+                                               d_w=w.grad, dense=bool(products), tiles=bool(tiles))
     return res
 
 
@@ -105,13 +111,22 @@ def run_backend(c):
 
 
 def run_kl_given(c):
-    """indexer_kl_grads from the case's head sums: (deterministic, SKIP_PAD) -> its five results."""
-    from megatron_glm5.ops import triton_kl
+    """indexer_kl_grads from the case's head sums: (deterministic, SKIP_PAD, form) -> its five results (the tile
+    form with the indexer's host row bounds, loose ones)."""
+    from megatron_glm5.ops import host_windows, triton_kl
 
-    return {(det, skip): triton_kl.indexer_kl_grads(c["q_idx"], c["k_idx"], c["weights"], c["indices"],
-                                                    c["head_sums"], c["idx_scale"], deterministic=det,
-                                                    config=dict(BLOCK_N=8, SKIP_PAD=skip))
-            for det, skip in ((False, True), (False, False), (True, True))}
+    out = {}
+    for det, skip, form in ((False, True, "slots"), (False, False, "slots"), (True, True, "slots"),
+                            (False, True, "tiles"), (True, True, "tiles")):
+        indices = c["indices"].clone()
+        if form == "tiles":
+            top = indices.max(1).values.long()
+            host_windows.remember_row_ends(indices, torch.where(top >= 0, (top + 2).clamp(
+                max=c["k_idx"].shape[0] - 1), -1))
+        out[det, skip, form] = triton_kl.indexer_kl_grads(
+            c["q_idx"], c["k_idx"], c["weights"], indices, c["head_sums"], c["idx_scale"], deterministic=det,
+            config=dict(BLOCK_N=8, SKIP_PAD=skip, FORM=form, TILES=dict(BLOCK_N=8, ROWS=5)))
+    return out
 
 
 RUNNERS = {"topk": run_topk, "mla": run_mla, "kl": run_kl, "kl_given": run_kl_given, "backend": run_backend}

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import host_windows, reference, triton_interpret_compat
+from . import host_windows, reference, triton_interpret_compat, triton_kl_tiles
 from .base import warn_once
 from .triton_sparse_mla import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, LOG2E, PDS_BUFFER_BYTES, _block_h, _check,
                                 _chunk_rows, _host_chunk_key_ends, _load_query, _load_selected, _mm_fp32, _mma, _scores,
@@ -50,7 +50,11 @@ PROB_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)  # 3.40 ms at S 4096 (
 # DK: "auto", "dense" or "atomic" (the module docstring); DENSE_ROWS: query rows per dense chunk at most
 # SKIP_PAD: stop each query's passes after its last used slot (the causal -1 padding of early tokens), except with
 # the deterministic per-slot rows (they are all written)
-KL_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3, DK="auto", DENSE_ROWS=1024, SKIP_PAD=True)
+# FORM: "tiles" -- the KL over contiguous key tiles (triton_kl_tiles: every key below a chunk's end multiplied on the
+# tensor cores, no gathers, no atomics), "slots" -- the kernel below (one query at a time over its gathered top-k
+# slots), "auto" -- "tiles" where the indexer left its host row bounds and n_keys / top-k <= TILES_KEY_RATIO
+KL_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3, DK="auto", DENSE_ROWS=1024, SKIP_PAD=True, FORM="auto")
+TILES_KEY_RATIO = 4.0
 KL_FALLBACK = dict(BLOCK_N=32, num_warps=4, num_stages=1)
 
 
@@ -226,9 +230,22 @@ def _dk_dense(cfg: dict, row_hi, n_keys: int, topk: int, det: bool) -> bool:
     return mode == "dense" or (det and n_keys / max(1, min(topk, n_keys)) <= DENSE_KEY_RATIO["deterministic"])
 
 
+def _tiles_form(cfg: dict, row_hi, n_keys: int, topk: int) -> bool:
+    """Whether the KL takes the "tiles" form (KL_CONFIG's FORM): needs the host row bounds (``row_hi``)."""
+    form = cfg.get("FORM", "auto")
+    if form not in ("auto", "tiles", "slots"):
+        raise ValueError(f"triton indexer KL: unknown FORM {form!r} (auto, tiles, slots)")
+    if form == "tiles" and row_hi is None:
+        warn_once("triton", "indexer KL: FORM='tiles' needs the host row bounds our indexer leaves for its top-k "
+                  "lists (these have none)", "the slot form")
+    if form == "slots" or row_hi is None:
+        return False
+    return form == "tiles" or n_keys / max(1, min(topk, n_keys)) <= TILES_KEY_RATIO
+
+
 def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, need_grad, deterministic, config):
     """(per-token KL [T] fp32, d_q_idx, d_k_idx, d_w fp32 or None)."""
-    row_hi = host_windows.row_ends(indices) if need_grad else None
+    row_hi = host_windows.row_ends(indices)
     q_idx, k_idx, indices = q_idx.detach().contiguous(), k_idx.detach().contiguous(), indices.contiguous()
     weights = weights.detach().contiguous()
     n_q, n_heads, d_i = q_idx.shape
@@ -241,6 +258,21 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
     if n_q == 0 or topk == 0:
         return kl, d_qi, d_ki, d_w
     cfg0 = dict(KL_CONFIG, **(config or {}))
+    cnt = counted.to(torch.int8).contiguous()
+    if _tiles_form(cfg0, row_hi, n_keys, topk):
+        tiles_cfg = dict(triton_kl_tiles.TILE_CONFIG, **(cfg0.get("TILES") or {}))
+        rows = min(int(tiles_cfg["ROWS"]), _chunk_rows(n_q, n_keys * n_heads * k_idx.element_size(),
+                                                       PDS_BUFFER_BYTES))
+        ends = _host_chunk_key_ends(row_hi, range(0, n_q, rows), rows, n_keys)
+        try:
+            triton_kl_tiles.kl_tiles(q_idx, k_idx, weights, idx_scale, indices, head_sums, cnt, need_grad, ends,
+                                     rows, kl, d_qi, d_ki, d_w, config=tiles_cfg)
+            return kl, d_qi, d_ki, d_w
+        except OutOfResources as e:
+            warn_once("triton", f"indexer KL: the tile form's kernel does not fit this GPU ({e})", "the slot form")
+            for t in (kl, d_qi, d_ki, d_w):
+                if t is not None:
+                    t.zero_()
     dense = need_grad and _dk_dense(cfg0, row_hi, n_keys, topk, deterministic)
     det = need_grad and deterministic and not dense  # the dense path is deterministic by itself
     if dense:
@@ -252,7 +284,6 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
         rows = max(1, min(n_q, DET_BUFFER_BYTES // max(1, topk * d_i * 4))) if det else n_q
         g_buf = kl  # an unused pointer
     buf = torch.empty(rows * topk, d_i, dtype=torch.float32, device=dev) if det else kl
-    cnt = counted.to(torch.int8).contiguous()
     dummy = kl
     skip = bool(cfg0.get("SKIP_PAD", True)) and not det  # per-slot rows (deterministic, not dense): every slot
     slot_ends = used_slot_ends(indices, n_keys) if skip else kl
