@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from megatron_glm5.model import fusions
 from megatron_glm5.model.fusion_flags import FusionsError, config_overrides
-from megatron_glm5.model.mla import absorbed_query, latent_key
+from megatron_glm5.model.absorbed_mla import rope_rotate_into, rope_unrotate_into
+from megatron_glm5.model.mla import latent_key
 from megatron_glm5.model.moe import glm5_topk_routing
 from megatron_glm5.model.norm import rms_norm
 from megatron_glm5.model.rope import rope_prefix
@@ -103,13 +104,23 @@ def test_latent_key_region():
     _check(latent_key, make, ref, n_grads=2)
 
 
-def test_absorbed_query_region():
-    def make(g):
-        q = torch.randn(5, 1, 3, 24, generator=g, dtype=torch.float32)
-        return (torch.randn(5, 1, 3, 16, generator=g, dtype=torch.float32), q[..., 16:],  # a strided view
-                *_angles(g, 5, 4))
-
-    _check(absorbed_query, make, lambda ql, qr, c, s: torch.cat([ql, ref_rope(qr, c, s)], dim=-1), n_grads=2)
+def test_rope_into_regions_store_into_strided_columns():
+    """rope_rotate_into / rope_unrotate_into (model/absorbed_mla.py: the absorbed query's rope columns and their
+    gradient), eager and compiled whole (aot_eager): the rotation of ref_rope, and its transpose (the gradient of
+    ref_rope for a random upstream gradient), written into a strided view and nowhere else."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 1, 3, 24, generator=g, dtype=torch.float32)
+    x = q[..., 16:].clone().requires_grad_()  # rotated from a strided view below
+    cos, sin = _angles(g, 5, 4)
+    dy = torch.randn(5, 1, 3, 8, generator=g, dtype=torch.float32)
+    (want_dx,) = torch.autograd.grad((ref_rope(x, cos, sin) * dy).sum(), x)
+    for region, src, want in ((rope_rotate_into, q[..., 16:], ref_rope(x.detach(), cos, sin)),
+                              (rope_unrotate_into, dy, want_dx)):
+        for fn in (region.eager, torch.compile(region.eager, fullgraph=True, backend="aot_eager")):
+            buf = torch.full((5, 1, 3, 24), float("nan"))
+            fn(buf[..., 16:], src, cos, sin)
+            torch.testing.assert_close(buf[..., 16:], want, rtol=2e-6, atol=2e-6)
+            assert buf[..., :16].isnan().all()  # the other columns untouched
 
 
 def test_rope_prefix_region():
@@ -206,7 +217,7 @@ def test_tiny_model_fused_equals_unfused(monkeypatch):
             results[fused] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                               if p.grad is not None}, sorted(set(calls)))
     (ref_loss, ref_grads, eager_calls), (loss, grads, fused_calls) = results[False], results[True]
-    names = {"rms_norm", "latent_key", "absorbed_query", "rope_prefix", "glm5_topk_routing"}
+    names = {"rms_norm", "latent_key", "rope_rotate_into", "rope_unrotate_into", "rope_prefix", "glm5_topk_routing"}
     assert {n for n, f in eager_calls} == names and not any(f for n, f in eager_calls)
     cross_entropy = {"_row_max", "_row_sums", "_logits_grad"}  # model/fused_cross_entropy.py: fused only
     swiglu = {"bias_swiglu_impl", "weighted_bias_swiglu_impl"}

@@ -8,7 +8,8 @@ the forward pass with GLM-5's:
   q       = q_up(q_resid) -> per head [nope | rope]      rope part rotated (interleaved pairs)
   latent, k_rope = kv_down(x);  latent = kv_layernorm(latent);  k_rope rotated (one head shared by all heads)
   attention runs in the absorbed latent space: q_lat = [q_nope @ W_uk | q_rope], kv = [latent | k_rope],
-  out = (sparse attention over the DSA-selected keys) @ W_uv, then linear_proj.
+  out = (sparse attention over the DSA-selected keys) @ W_uv, then linear_proj (the two per-head products:
+  model/absorbed_mla.py, written into the layouts their neighbours use).
 
 W_uk / W_uv are the k_nope / v rows of linear_kv_up_proj's weight (HF kv_b_proj), used in place, so the
 parameters keep their HF shapes and kernels never see per-head K or V.
@@ -41,6 +42,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from megatron_glm5.model import fusions
+from megatron_glm5.model.absorbed_mla import absorbed_query, expanded_output
 from megatron_glm5.model.attention_inputs import AttentionInputs
 from megatron_glm5.model.norm import rms_norm
 from megatron_glm5.model.rope import apply_interleaved_rope
@@ -53,12 +55,6 @@ def latent_key(kv_c: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
     in one tensor (the layout the sparse kernels read)."""
     latent = rms_norm.eager(kv_c[..., :lat], norm_weight, eps)
     return torch.cat([latent, apply_interleaved_rope(kv_c[..., lat:], cos, sin)], dim=-1)
-
-
-@fusions.region
-def absorbed_query(q_lat: torch.Tensor, q_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The absorbed query [q_nope @ W_uk | rotated q_rope] per head, written in one tensor."""
-    return torch.cat([q_lat, apply_interleaved_rope(q_rope, cos, sin)], dim=-1)
 
 
 def local_linear(linear, x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +125,6 @@ class GLM5MLASelfAttention(MLASelfAttention):
         q_resid = self.q_layernorm(q_c)
         q = local_linear(self.linear_q_up_proj, copy_to_tensor_model_parallel_region(q_resid, group=group))
         q = q.view(s, b, h, nope + rope)
-        q_nope, q_rope = q.split([nope, rope], dim=-1)  # backward: one cat (two slices: zero-fills + adds)
 
         fuse = fusions.on(cfg, x)
         kv_norm = self.kv_layernorm
@@ -138,15 +133,13 @@ class GLM5MLASelfAttention(MLASelfAttention):
 
         w_kv = dense_weight(self.linear_kv_up_proj).view(h, nope + dv, lat)
         w_uk, w_uv = w_kv.split([nope, dv], dim=1)
-        q_lat = torch.einsum("sbhn,hnc->sbhc", q_nope, w_uk)
-        q_abs = absorbed_query(q_lat, q_rope, inputs.cos, inputs.sin, fuse=fuse)
+        q_abs = absorbed_query(q, w_uk, inputs.cos, inputs.sin, fuse=fuse)  # [b * s, h, lat + rope], token order
 
-        to_tokens = lambda t: t.transpose(0, 1).reshape(b * s, *t.shape[2:])
         core = lambda q_, kv_, x_, qr_: self.core_attention(q_, kv_, x_, qr_, inputs)
         # keys of the whole sequence: all-gathered over context parallelism, in global token order
         # (generation's cache-aware inputs return the cached rows of this layer instead, see generation/kv_cache.py)
         keys = inputs.gather_keys(kv, (self.layer_number, "kv"))
-        core_args = (to_tokens(q_abs), keys, x.detach(), q_resid.detach())
+        core_args = (q_abs, keys, x.detach(), q_resid.detach())
         # Recompute only when a gradient flows into the core: with nothing upstream trainable (--dsa-stage
         # dense-warmup trains the indexers alone) the checkpoint's backward would never run, and with it the
         # indexer loss the core attaches in the recomputation.
@@ -154,6 +147,4 @@ class GLM5MLASelfAttention(MLASelfAttention):
             out_lat = tensor_parallel.checkpoint(core, False, *core_args)
         else:
             out_lat = core(*core_args)
-        out = torch.einsum("thc,hvc->thv", out_lat, w_uv)  # [T, h, v]
-        out = out.reshape(b, s, h * dv).transpose(0, 1).contiguous()
-        return self.linear_proj(out)
+        return self.linear_proj(expanded_output(out_lat, w_uv, s, b))  # [s, b, h * v]
