@@ -41,6 +41,7 @@ import math
 import os
 import shlex
 import sys
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_glm5.config import DSA_STAGES, PRESETS  # stdlib-only module: cheap to import
@@ -1363,6 +1364,11 @@ def _exit_status(exc: BaseException) -> Optional[int]:
     return JobFailure.exit_status if isinstance(exc, JobFailure) else None
 
 
+# seconds a rank that does not print a flag error (not rank 0) waits before it exits (under torchrun, a worker that
+# exits first makes torchrun stop the others, rank 0 perhaps before it printed: seen on a loaded 2-core machine)
+SILENT_RANK_GRACE_S = 5.0
+
+
 def _report(exc: BaseException) -> None:
     """Print the one line (rank 0 alone for a flag error under torchrun: every rank sees the same flags; other
     ranks' lines prefixed ``[rank N]``) and give it to torchrun for its failure summary (torchrun_report.py)."""
@@ -1383,6 +1389,8 @@ def _report(exc: BaseException) -> None:
     write_error_file(f"error: {message}")
     if not silent:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    else:  # torchrun stops every worker once one exits: leave rank 0 the time to print the line first
+        time.sleep(SILENT_RANK_GRACE_S)
 
 
 class _Guard(contextlib.AbstractContextManager):
