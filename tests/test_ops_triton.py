@@ -514,3 +514,52 @@ def test_head_dims_below_the_dot_minimum_fall_back_on_a_gpu(monkeypatch):
     assert "not a power of two" in triton_backend._kernel_dims_reason(d_v=24)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert triton_backend._kernel_dims_reason(d_v=16, d_rope=8) is None  # the interpreter runs tiny shapes
+
+
+def _compile_for_sm90a(fn, signature: dict, constexprs: dict, cfg: dict):
+    """Triton's own compiler and ptxas, no GPU: (the PTX, the shared-memory bytes, ptxas's resource report)."""
+    import os
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=fn, signature=dict(signature, **{k: "constexpr" for k in constexprs}), constexprs=constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"],
+                                                                          num_stages=cfg["num_stages"]))
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    report = None
+    if os.path.exists(ptxas):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ptx")
+            with open(path, "w") as f:
+                f.write(k.asm["ptx"])
+            proc = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", path + ".cubin"],
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, proc.stderr
+            report = proc.stderr
+    return k.asm["ptx"], k.metadata.shared, report
+
+
+@needs_triton
+@pytest.mark.parametrize("need_grad", [True, False])
+def test_kl_tile_kernel_lowers_to_wgmma_for_sm90a(need_grad):
+    """The tile form's kernel at GLM-5's indexer shapes (32 heads x 128, bf16) with its default configuration,
+    compiled for the H200 without a GPU: it lowers (the reshapes of the head reduction included), its products are
+    wgmma, its shared memory fits, and ptxas accepts it (its register / spill report in the failure message)."""
+    from megatron_glm5.ops import triton_kl_tiles as m
+
+    cfg = m.TILE_CONFIG
+    sig = {"QI": "*bf16", "KI": "*bf16", "W": "*fp32", "PD": "*fp32", "TOT": "*fp32", "CNT": "*i8", "KL": "*fp32",
+           "DQI": "*fp32", "DW": "*fp32", "G": "*bf16", "stride_qit": "i32", "stride_qih": "i32",
+           "stride_kit": "i32", "stride_wt": "i32", "stride_pd": "i32", "t0": "i32", "n_rows": "i32",
+           "n_heads": "i32", "n_keys": "i32", "key_end": "i32", "scale": "fp32"}
+    const = {"DI": 128, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_H": 32, "BLOCK_N": cfg["BLOCK_N"], "NEED_GRAD": need_grad,
+             "IEEE": False}
+    ptx, shared, report = _compile_for_sm90a(m._kl_tiles_kernel, sig, const, cfg)
+    assert "wgmma.mma_async" in ptx
+    assert shared <= 227 * 1024, shared
+    if report is not None:
+        assert "registers" in report, report
