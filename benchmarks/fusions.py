@@ -7,7 +7,8 @@
   target's head sums (``head_probs``), the separate head-sum kernel given the forward's lse, and the whole sparse KL
   (head sums + the fused indexer KL kernel, forward-side gradients) either way.
 * ``indexer_kl`` (``--parts indexer_kl``, not in the default list): the fused indexer KL kernel alone at each of
-  --seqs, without gradients and with them by each d_k_idx path (atomic / dense, both modes).
+  --seqs, without gradients and with them by each d_k_idx path (atomic / dense, both modes), and the opt-in tile
+  form (ops/triton_kl_tiles.py) with its block shapes, against the slot form (values, bitwise repeat).
 * ``cross_entropy``: the output layer + LM cross entropy at --ce-tokens tokens x 6144 hidden x 154,880 vocabulary,
   forward + backward: megatron-core's unfused path against ``--cross-entropy-fusion chunked`` and ``--fusions
   auto``'s compiled cross entropy (model/fused_cross_entropy.py) after the same output GEMM; time and the peak
@@ -136,7 +137,7 @@ def bench_indexer_kl(seq, warmup, reps):
         return triton_kl.indexer_kl_grads(qi, ki, w, idx, hs, DI ** -0.5, deterministic=det, need_grad=need_grad,
                                           config=dict(DK=dk, SKIP_PAD=skip, FORM=form, TILES=tiles))
 
-    # the tile form (triton_kl_tiles): the default's choice, without gradients, and block shapes / chunk rows
+    # the tile form (triton_kl_tiles, opt-in): its default configuration, without gradients, block shapes / chunk rows
     res["tiles_ms"] = timed(lambda: run(True, form="tiles"), refill, warmup, reps)
     res["tiles_no_grad_ms"] = timed(lambda: run(False, form="tiles"), refill, warmup, reps)
     for name, tiles in TILE_VARIANTS.items():

@@ -56,9 +56,9 @@ MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("p
 # indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block, form / d_k_idx path); top-k 8 / 16
 # / 12 below, so block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12). Paths
 # (tests/triton_interp_runner.KL_DK): "auto" without host row bounds (slot form: atomics / deterministic rows),
-# "auto_bounds" with them (the tile form where n_keys / top-k <= TILES_KEY_RATIO: cp 40 / 16; not empty_rows 64 /
-# 12: the slot form), "dense" (the slot form's dense d_k_idx) with the indexer's host bounds (loose ones), in chunks of 3
-# query rows, and asked for without bounds (falls back); "tiles" (the tile form) likewise
+# "auto_bounds" with them (the slot form's dense d_k_idx in deterministic mode), "dense" (that d_k_idx asked for)
+# with the indexer's host bounds (loose ones), in chunks of 3 query rows, and asked for without bounds (falls back);
+# "tiles" (the tile form, opt-in) likewise
 KL_MODES = [("packed", False, True, 16, "auto"), ("packed", True, False, 8, "auto"), ("cp", True, True, 8, "auto"),
             ("cp", False, False, 16, "auto"), ("empty_rows", False, True, 8, "auto"),
             ("empty_rows", True, True, 16, "auto"), ("packed", False, True, 8, "dense"),
@@ -166,12 +166,10 @@ def test_interp_indexer_kl_loss(interp, name, deterministic, with_lse, block_n, 
     cases, res = interp
     c = cases[f"kl_{name}"]
     got = res[f"kl_{name}"][deterministic, with_lse, block_n, dk]
-    # the path the variant is about: auto takes the tile form with bounds where n_keys / top-k <= 4 (cp: 40 / 16;
-    # not empty_rows: 64 / 12), else the slot form's dense d_k_idx with bounds in deterministic mode
-    n_keys, topk = c["k_idx"].shape[0], c["indices"].shape[1]
-    tiles = dk in ("tiles", "tiles_chunked") or (dk == "auto_bounds" and n_keys / topk <= 4)
-    assert got["tiles"] == tiles
-    assert got["dense"] == (dk in ("dense", "dense_chunked") or (dk == "auto_bounds" and deterministic and not tiles))
+    # the path the variant is about: the tile form only when asked for with bounds; the slot form's dense d_k_idx
+    # when asked for, or by auto with bounds in deterministic mode
+    assert got["tiles"] == (dk in ("tiles", "tiles_chunked"))
+    assert got["dense"] == (dk in ("dense", "dense_chunked") or (dk == "auto_bounds" and deterministic))
     from triton_interp_runner import HOOKS
 
     q_idx = c["q_idx"].to(F64).requires_grad_()
@@ -480,27 +478,21 @@ def test_indexer_kl_dense_dk_choice_and_its_fallback_is_logged(caplog, monkeypat
 
 @needs_triton
 def test_indexer_kl_tile_form_choice_and_its_fallback_is_logged(caplog, monkeypatch):
-    """FORM "auto": the tile form with host bounds while n_keys / top-k <= 4 (either mode), the slot form beyond or
-    without bounds; "tiles" asked for top-k lists without bounds says once that it takes the slot form; an unknown
-    form is refused."""
+    """FORM: the slot form by default (the tile form measured slower); "tiles" with host bounds takes it, without
+    them says once that it takes the slot form; an unknown form is refused."""
     import logging
 
     from megatron_glm5.ops import base, triton_kl
 
     monkeypatch.setattr(base, "_warned", set())
     bounds = torch.zeros(4, dtype=torch.int64)
-    assert triton_kl._tiles_form({"FORM": "auto"}, bounds, 4096, 2048)
-    assert triton_kl._tiles_form({"FORM": "auto"}, bounds, 8192, 2048)  # ratio 4
-    assert not triton_kl._tiles_form({"FORM": "auto"}, bounds, 16384, 2048)
-    assert triton_kl._tiles_form({"FORM": "auto"}, bounds, 100, 2048)  # fewer keys than top-k: ratio 1
-    assert not triton_kl._tiles_form({"FORM": "auto"}, None, 4096, 2048)
-    assert not triton_kl._tiles_form({"FORM": "slots"}, bounds, 4096, 2048)
-    assert triton_kl._tiles_form({"FORM": "tiles"}, bounds, 32768, 2048)
+    assert triton_kl.KL_CONFIG["FORM"] == "slots" and not triton_kl._tiles_form(triton_kl.KL_CONFIG, bounds)
+    assert triton_kl._tiles_form({"FORM": "tiles"}, bounds)
     with caplog.at_level(logging.WARNING, logger="megatron_glm5.ops"):
-        assert not triton_kl._tiles_form({"FORM": "tiles"}, None, 4096, 2048)
+        assert not triton_kl._tiles_form({"FORM": "tiles"}, None)
     assert "FORM='tiles' needs the host row bounds" in caplog.text and "the slot form" in caplog.text
-    with pytest.raises(ValueError, match="unknown FORM 'fast'"):
-        triton_kl._tiles_form({"FORM": "fast"}, bounds, 4096, 2048)
+    with pytest.raises(ValueError, match="unknown FORM 'auto'"):
+        triton_kl._tiles_form({"FORM": "auto"}, bounds)
 
 
 def test_head_dims_below_the_dot_minimum_fall_back_on_a_gpu(monkeypatch):

@@ -61,7 +61,8 @@ def run_mla(c):
 
 
 # the indexer KL's forms and d_k_idx paths (test_ops_triton.KL_MODES): config overrides, and whether host row
-# bounds are left.  "auto*": the default rules; "dense*": the slot form's dense d_k_idx; "tiles*": the tile form
+# bounds are left.  "auto*": the defaults (the slot form, DK auto); "dense*": its dense d_k_idx; "tiles*": the tile
+# form
 KL_DK = {"auto": ({}, False), "auto_bounds": ({}, True), "dense": (dict(FORM="slots", DK="dense"), True),
          "dense_chunked": (dict(FORM="slots", DK="dense", DENSE_ROWS=3), True),
          "dense_no_bounds": (dict(FORM="slots", DK="dense"), False),

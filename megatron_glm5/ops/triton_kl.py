@@ -22,6 +22,8 @@ Two kernels, one program per query token each; nothing of size [T, h, K] or [T, 
   causal, GLM-5's indexer (``benchmarks/fusions.py --parts indexer_kl``, docs/performance.md, session 10): S 4096
   atomic 3.31 / dense 3.35 ms in atomic mode, deterministic rows 5.83 / dense 3.30; S 32768 23.7 / 40.6 and
   46.3 / 41.2 -- so atomic mode keeps its atomics.
+``KL_CONFIG["FORM"] = "tiles"`` takes the tile form instead (``triton_kl_tiles``: every key tile below a chunk's end
+on the tensor cores, no gathers, no atomics; measured slower at S 4096, so opt-in).
 Same contract and formulas as ``reference.indexer_kl_loss`` (its tests compare against it); the gradients are
 computed in the forward and scaled in backward by ``reference._IndexerKLFunction``.  ``indexer_kl_grads`` is the
 second kernel alone, given the head sums: the deferred KL (``deferred_kl``, the Triton backend's default) calls it
@@ -50,11 +52,11 @@ PROB_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)  # 3.40 ms at S 4096 (
 # DK: "auto", "dense" or "atomic" (the module docstring); DENSE_ROWS: query rows per dense chunk at most
 # SKIP_PAD: stop each query's passes after its last used slot (the causal -1 padding of early tokens), except with
 # the deterministic per-slot rows (they are all written)
-# FORM: "tiles" -- the KL over contiguous key tiles (triton_kl_tiles: every key below a chunk's end multiplied on the
-# tensor cores, no gathers, no atomics), "slots" -- the kernel below (one query at a time over its gathered top-k
-# slots), "auto" -- "tiles" where the indexer left its host row bounds and n_keys / top-k <= TILES_KEY_RATIO
-KL_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3, DK="auto", DENSE_ROWS=1024, SKIP_PAD=True, FORM="auto")
-TILES_KEY_RATIO = 4.0
+# FORM: "slots" -- the kernel below (one query at a time over its gathered top-k slots); "tiles" -- the KL over
+# contiguous key tiles (triton_kl_tiles: every key below a chunk's end on the tensor cores, no gathers, no atomics;
+# needs the indexer's host row bounds) -- measured slower at S 4096 (H100, 2026-12-07: 3.18-3.74 vs 2.59-2.65 ms
+# atomic / 2.82 deterministic), so not the default
+KL_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3, DK="auto", DENSE_ROWS=1024, SKIP_PAD=True, FORM="slots")
 KL_FALLBACK = dict(BLOCK_N=32, num_warps=4, num_stages=1)
 
 
@@ -230,17 +232,16 @@ def _dk_dense(cfg: dict, row_hi, n_keys: int, topk: int, det: bool) -> bool:
     return mode == "dense" or (det and n_keys / max(1, min(topk, n_keys)) <= DENSE_KEY_RATIO["deterministic"])
 
 
-def _tiles_form(cfg: dict, row_hi, n_keys: int, topk: int) -> bool:
-    """Whether the KL takes the "tiles" form (KL_CONFIG's FORM): needs the host row bounds (``row_hi``)."""
-    form = cfg.get("FORM", "auto")
-    if form not in ("auto", "tiles", "slots"):
-        raise ValueError(f"triton indexer KL: unknown FORM {form!r} (auto, tiles, slots)")
+def _tiles_form(cfg: dict, row_hi) -> bool:
+    """Whether the KL takes the "tiles" form (KL_CONFIG's FORM): asked for, and the host row bounds (``row_hi``)
+    known (else said once, and the slot form)."""
+    form = cfg.get("FORM", "slots")
+    if form not in ("tiles", "slots"):
+        raise ValueError(f"triton indexer KL: unknown FORM {form!r} (slots, tiles)")
     if form == "tiles" and row_hi is None:
         warn_once("triton", "indexer KL: FORM='tiles' needs the host row bounds our indexer leaves for its top-k "
                   "lists (these have none)", "the slot form")
-    if form == "slots" or row_hi is None:
-        return False
-    return form == "tiles" or n_keys / max(1, min(topk, n_keys)) <= TILES_KEY_RATIO
+    return form == "tiles" and row_hi is not None
 
 
 def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, need_grad, deterministic, config):
@@ -259,7 +260,7 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
         return kl, d_qi, d_ki, d_w
     cfg0 = dict(KL_CONFIG, **(config or {}))
     cnt = counted.to(torch.int8).contiguous()
-    if _tiles_form(cfg0, row_hi, n_keys, topk):
+    if _tiles_form(cfg0, row_hi):
         tiles_cfg = dict(triton_kl_tiles.TILE_CONFIG, **(cfg0.get("TILES") or {}))
         rows = min(int(tiles_cfg["ROWS"]), _chunk_rows(n_q, n_keys * n_heads * k_idx.element_size(),
                                                        PDS_BUFFER_BYTES))
