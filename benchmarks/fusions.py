@@ -308,11 +308,12 @@ def bench_regions(tokens, warmup, reps):
     import torch.nn.functional as F
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl, weighted_bias_swiglu_impl
 
-    from megatron_glm5.model.absorbed_mla import absorbed_query, expanded_output, rope_rotate
+    from megatron_glm5.model import fusions
+    from megatron_glm5.model.absorbed_mla import absorbed_query, expanded_output
     from megatron_glm5.model.mla import latent_key
     from megatron_glm5.model.moe import glm5_topk_routing
     from megatron_glm5.model.norm import rms_norm
-    from megatron_glm5.model.rope import rope_prefix
+    from megatron_glm5.model.rope import apply_interleaved_rope, rope_prefix
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     ang = torch.rand(tokens, 1, 32, device=dev) * tokens
@@ -326,10 +327,12 @@ def bench_regions(tokens, warmup, reps):
         act = F.silu(h[:, :2048]) * h[:, 2048:]
         return (act.float() * w.float().unsqueeze(-1)).to(act.dtype)
 
-    def query_einsum(q_, w_uk, fuse):  # the path before model/absorbed_mla.py: einsum, cat, token-order view
+    # the path before model/absorbed_mla.py: einsum, then its region (RoPE + cat), then the token-order view
+    cat_region = fusions.Region(lambda ql, qr, c, s: torch.cat([ql, apply_interleaved_rope(qr, c, s)], dim=-1))
+
+    def query_einsum(q_, w_uk, fuse):
         q_lat = torch.einsum("sbhn,hnc->sbhc", q_[..., :192], w_uk)
-        q_abs = torch.cat([q_lat, rope_rotate(q_[..., 192:], cos, sin, fuse=fuse)], dim=-1)
-        return q_abs.transpose(0, 1).reshape(tokens, H, 576)
+        return cat_region(q_lat, q_[..., 192:], cos, sin, fuse=fuse).transpose(0, 1).reshape(tokens, H, 576)
 
     def output_einsum(o, w_uv, fuse):  # likewise: einsum, then the sequence-first copy
         return torch.einsum("thc,hvc->thv", o, w_uv).reshape(1, tokens, H * 256).transpose(0, 1).contiguous()

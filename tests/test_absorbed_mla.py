@@ -3,8 +3,8 @@ several batch rows), and the RoPE gradient against autograd's."""
 import pytest
 import torch
 
-from megatron_glm5.model.absorbed_mla import absorbed_query, expanded_output, rope_rotate, rope_unrotate
-from megatron_glm5.model.rope import apply_interleaved_rope, rope_angles
+from megatron_glm5.model.absorbed_mla import absorbed_query, expanded_output
+from megatron_glm5.model.rope import apply_interleaved_rope, interleaved_rope_grad, rope_angles
 
 F64 = torch.float64
 
@@ -53,14 +53,14 @@ def test_expanded_output_equals_einsum_and_copy(s, b, h):
     assert have[0].is_contiguous()  # the sparse backward's dO: no copy needed
 
 
-def test_rope_unrotate_is_the_gradient_of_rope_rotate():
+def test_interleaved_rope_grad_is_the_gradient_of_the_rotation():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 2, 3, 8, generator=g, dtype=F64, requires_grad=True)
     cos, sin = _angles(6, 2, 8, g)
     dy = torch.randn(6, 2, 3, 8, generator=g, dtype=F64)
-    (want,) = torch.autograd.grad((rope_rotate(x, cos, sin) * dy).sum(), x)
-    torch.testing.assert_close(rope_unrotate(dy, cos, sin), want, rtol=0, atol=1e-5)  # both in fp32 (model/rope.py)
-    assert not torch.allclose(rope_unrotate(dy, cos, sin), rope_unrotate(dy, cos, -sin))  # the sign matters
+    (want,) = torch.autograd.grad((apply_interleaved_rope(x, cos, sin) * dy).sum(), x)
+    torch.testing.assert_close(interleaved_rope_grad(dy, cos, sin), want, rtol=0, atol=1e-5)  # both in fp32
+    assert not torch.allclose(interleaved_rope_grad(dy, cos, sin), interleaved_rope_grad(dy, cos, -sin))  # the sign
 
 
 @pytest.mark.gpu

@@ -551,6 +551,7 @@ def test_kl_tile_kernel_lowers_to_wgmma_for_sm90a(need_grad):
     const = {"DI": 128, "BLOCK_T": cfg["BLOCK_T"], "BLOCK_H": 32, "BLOCK_N": cfg["BLOCK_N"], "NEED_GRAD": need_grad,
              "IEEE": False}
     ptx, shared, report = _compile_for_sm90a(m._kl_tiles_kernel, sig, const, cfg)
+    print(f"KL tile kernel, need_grad={need_grad}: shared {shared} B\n{report}")  # docs/design.md quotes it (-s)
     assert "wgmma.mma_async" in ptx
     assert shared <= 227 * 1024, shared
     if report is not None:

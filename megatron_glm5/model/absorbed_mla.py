@@ -22,41 +22,22 @@ from __future__ import annotations
 import torch
 
 from megatron_glm5.model import fusions
-from megatron_glm5.model.rope import apply_interleaved_rope
+from megatron_glm5.model.rope import apply_interleaved_rope, interleaved_rope_grad
 
 __all__ = ["absorbed_query", "expanded_output"]
 
 
 @fusions.region
-def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [s, b, h, rope] rotated (model/rope.py's interleaved RoPE, [evens' | odds'] layout)."""
-    return apply_interleaved_rope(x, cos, sin)
-
-
-@fusions.region
 def rope_rotate_into(dst: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """dst (a strided view, e.g. the rope columns of the absorbed query) = ``rope_rotate(x)``: compiled, one kernel
+    """dst (a strided view: the rope columns of the absorbed query) = RoPE(x) (model/rope.py): compiled, one kernel
     that stores into dst."""
-    dst.copy_(rope_rotate.eager(x, cos, sin))
+    dst.copy_(apply_interleaved_rope(x, cos, sin))
 
 
 @fusions.region
 def rope_unrotate_into(dst: torch.Tensor, dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """dst = ``rope_unrotate(dy)`` (the rope columns of the query's gradient)."""
-    dst.copy_(rope_unrotate.eager(dy, cos, sin))
-
-
-@fusions.region
-def rope_unrotate(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The gradient of ``rope_rotate`` at any x: dy [s, b, h, rope] in the [evens' | odds'] layout -> dx in x's
-    interleaved layout (the transposed rotation, in fp32)."""
-    while cos.dim() < dy.dim():
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    half = dy.shape[-1] // 2
-    d32 = dy.float()
-    da, db = d32[..., :half], d32[..., half:]
-    dx_even, dx_odd = da * cos + db * sin, db * cos - da * sin
-    return torch.stack([dx_even, dx_odd], dim=-1).flatten(-2).to(dy.dtype)
+    """dst (the rope columns of the query's gradient) = RoPE's gradient for dy (model/rope.py)."""
+    dst.copy_(interleaved_rope_grad(dy, cos, sin))
 
 
 def _heads_major(x: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,17 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat([x_even * cos - x_odd * sin, x_odd * cos + x_even * sin], dim=-1).to(x.dtype)
 
 
+def interleaved_rope_grad(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``apply_interleaved_rope`` (for any x): dy [..., rope_dim] in the [evens' | odds'] layout ->
+    dx in x's interleaved layout, the transposed rotation computed in fp32."""
+    while cos.dim() < dy.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    half = dy.shape[-1] // 2
+    d32 = dy.float()
+    da, db = d32[..., :half], d32[..., half:]
+    return torch.stack([da * cos + db * sin, db * cos - da * sin], dim=-1).flatten(-2).to(dy.dtype)
+
+
 @fusions.region
 def rope_prefix(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int) -> torch.Tensor:
     """``x`` [..., D] with its first ``rope_dim`` dims rotated (the indexer's query and key), the rest unchanged."""
