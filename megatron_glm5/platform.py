@@ -18,6 +18,7 @@ This module must not import ``megatron.core`` at module level.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import math
@@ -37,6 +38,7 @@ __all__ = [
     "ParallelSizes",
     "initialize_model_parallel",
     "destroy_model_parallel",
+    "end_of_job",
 ]
 
 HAS_CUDA: bool = torch.cuda.is_available()
@@ -84,6 +86,7 @@ class ParallelSizes:
 
 _OWNS_PROCESS_GROUP = False
 _STORE = None  # keeps the single-process TCPStore alive
+_ENDED_WELL = False  # end_of_job() since the last initialize_model_parallel()
 
 
 def _check_positive(flag: str, value) -> None:
@@ -191,6 +194,8 @@ def initialize_model_parallel(
     ``etp=None`` means etp = tp (megatron's default).  Raises ValueError naming the flag
     (e.g. "--tp 3 does not divide world size 4") before anything is initialized.
     """
+    global _ENDED_WELL
+    _ENDED_WELL = False  # a job starts (end_of_job)
     apply_pre_import_shims()
     sizes = _validate_sizes(_expected_world_size(), tp, pp, ep, etp, cp, vpp)
     _init_process_group(backend, timeout_minutes)
@@ -227,5 +232,35 @@ def destroy_model_parallel() -> None:
         sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
     if _OWNS_PROCESS_GROUP and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    _OWNS_PROCESS_GROUP = False
+    _STORE = None
+
+
+def end_of_job() -> None:
+    """Say that this process's job (training, generation, a conversion) ended well on every rank: at the
+    process's exit, while the interpreter is still fully alive, megatron's parallel state and torch's process
+    groups are torn down. Left to the interpreter's finalization, gloo's worker threads can abort a rank that has
+    finished ("terminate called without an active exception", SIGABRT; pytorch/pytorch#190489) -- more often
+    after a re-initialisation left megatron-core's earlier groups behind -- and torchrun then reports the finished
+    job as failed. Nothing is torn down after a job that did not end well (with a peer lost, destroying the group
+    can wait on its pending work), nor before the exit (the group stays usable, e.g. for a second job in the same
+    process: initialize_model_parallel starts one and clears this mark)."""
+    global _ENDED_WELL
+    _ENDED_WELL = True
+    atexit.unregister(_teardown_at_exit)  # once, however often a process ends a job
+    atexit.register(_teardown_at_exit)
+
+
+def _teardown_at_exit() -> None:
+    global _OWNS_PROCESS_GROUP, _STORE
+    dist = torch.distributed
+    if not (_ENDED_WELL and dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if "megatron.core.parallel_state" in sys.modules:
+            sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
+        dist.destroy_process_group()  # every group, also those megatron-core left behind at a re-initialisation
+    except Exception as e:  # the process is ending: say it, do not turn a finished job into a failed one
+        print(f"warning: tearing down the process group at exit: {type(e).__name__}: {e}", file=sys.stderr)
     _OWNS_PROCESS_GROUP = False
     _STORE = None

@@ -317,6 +317,7 @@ def _dist_worker(ckpt, ref_dir):
         if dist.get_rank() == 0:
             torch.save(logits, os.path.join(ref_dir, f"logits_{name}.pt"))
         print(f"{name} rank {dist.get_rank()}: {checked} shards equal", flush=True)
+    platform.end_of_job()
 
 
 @pytest.mark.distributed

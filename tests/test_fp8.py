@@ -412,6 +412,7 @@ def _layout_worker(ckpt: str, out_dir: str) -> None:
         if dist.get_rank() == 0:
             torch.save(logits, os.path.join(out_dir, f"logits_{name}.pt"))
         print(f"{name} rank {dist.get_rank()} done", flush=True)
+    platform.end_of_job()
 
 
 @pytest.mark.distributed

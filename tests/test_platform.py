@@ -178,6 +178,8 @@ def check_streams():
 
 
 def check_ep2():
+    import atexit
+
     import torch
     from megatron_glm5 import platform as P
     from megatron.core import parallel_state as ps
@@ -197,7 +199,16 @@ def check_ep2():
     except ValueError as e:
         res["invalid"] = str(e)
     res["still_tp2"] = ps.get_tensor_model_parallel_world_size()
-    P.destroy_model_parallel()
+    # end_of_job: state and groups torn down at the exit (atexit's functions run here), not before, and not when
+    # a job started after it
+    P.end_of_job()
+    P.initialize_model_parallel(tp=2, seed=1234)
+    atexit._run_exitfuncs()
+    res["kept_after_a_new_job"] = [ps.model_parallel_is_initialized(), torch.distributed.is_initialized()]
+    P.end_of_job()
+    P.end_of_job()
+    res["kept_until_exit"] = [ps.model_parallel_is_initialized(), torch.distributed.is_initialized()]
+    atexit._run_exitfuncs()
     res["destroyed"] = [ps.model_parallel_is_initialized(), torch.distributed.is_initialized()]
     return res
 
@@ -683,6 +694,8 @@ def test_alltoall_dispatcher_round_trip_ep2(runs):
         assert v["reinit"] == [2, 1, 2, 1]  # tp, ep, etp (= tp), dp after re-init with tp=2
         assert v["invalid"] == "--tp 3 does not divide world size 2"
         assert v["still_tp2"] == 2
+        assert v["kept_after_a_new_job"] == [True, True]
+        assert v["kept_until_exit"] == [True, True]
         assert v["destroyed"] == [False, False]
     # both ranks' tokens: rank r routes token t to (t+r)%4 and that + 1 + t%3
     # experts 0..3 get 3+2, 3+3, 2+3, 2+2 tokens; rank 0 holds experts 0-1, rank 1 2-3

@@ -34,7 +34,10 @@ def _guard(fn, argv) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     try:
-        return fn(argv)
+        code = fn(argv)
+        from megatron_glm5 import platform
+        platform.end_of_job()  # the ranks of a parallel conversion exit cleanly (platform.end_of_job)
+        return code
     except (UserError, ConfigError, CheckpointError) as e:
         if os.environ.get("MEGATRON_GLM5_TRACEBACK") == "1":
             raise

@@ -253,6 +253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _check_args(args)
     model, stage = _load(args)
     tok = _tokenizer(args, model)
-    if args.eval is not None:
-        return _run_eval(args, model, tok, stage)
-    return _run_generate(args, model, tok, stage)
+    from megatron_glm5 import platform
+
+    code = _run_eval(args, model, tok, stage) if args.eval is not None else _run_generate(args, model, tok, stage)
+    platform.end_of_job()  # the ranks of a parallel decode exit cleanly (platform.end_of_job)
+    return code

@@ -29,8 +29,11 @@ def main(mode: str, argv=None) -> int:
         check_fits(args)  # one line and the plan_layout command when this rank cannot hold its share
         from megatron_glm5.training.loop import train
         try:
-            return train(args)
+            code = train(args)
         except KeyboardInterrupt:  # the second Ctrl-C (the first finishes the step and saves: loop._ExitSignal)
             print("error: interrupted (Ctrl-C twice): stopped at once, the unfinished step is not saved; the "
                   "checkpoints reported saved are complete", file=sys.stderr, flush=True)
             return 130
+        from megatron_glm5 import platform
+        platform.end_of_job()  # a finished run's ranks exit cleanly (torchrun would count an abort at exit)
+        return code
