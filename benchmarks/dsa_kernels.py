@@ -62,7 +62,8 @@ DENSE_SWEEP = [
 # the backward variants timed side by side in one run (overrides of tsm.BWD_CONFIG, or the name of one of its
 # configurations): the default (DK "auto"), each dk formulation, "slots" without the padding skip, and the previous
 # one-kernel backward (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
-BWD_VARIANTS = {"auto": {}, "slots": dict(DK="slots"), "dense": dict(DK="dense"),
+BWD_VARIANTS = {"auto": {}, "auto-memsets-in-order": dict(ZERO_AHEAD=False), "slots": dict(DK="slots"),
+                "dense": dict(DK="dense"),
                 "dense-triton-dkv": dict(DK="dense", DENSE_DKV="triton"),
                 "dense-dq-in-kernel": dict(DK="dense", DENSE_DQ=False),
                 "slots, no padding skip": dict(DK="slots", SKIP_PAD=False), "one-kernel": "ONE_KERNEL_BWD_CONFIG"}
@@ -199,6 +200,8 @@ def _dense_bwd_rows(p, out, lse, reps, add):
     hs = torch.empty(p.indices.shape, dtype=torch.float32, device="cuda")
     variants = [(False, "", None, None), (False, ", head sums", hs, None), (True, "", None, None),
                 (True, ", head sums", hs, None)]
+    # the next chunk's memset in stream order instead of on a side stream (DensePlan's ZERO_AHEAD: before / after)
+    variants += [(det, ", head sums, memsets in stream order", hs, dict(ZERO_AHEAD=False)) for det in (False, True)]
     if p.seq <= 8192:  # query chunks of the dense formulation; the scattered stores' cost (a diagnostic)
         variants += [(False, f", head sums, {r}-row chunks", hs, dict(DENSE_ROWS=r)) for r in (512, 256)]
         variants += [(False, ", head sums, every step (causal padding computed)", hs, dict(bounded=False)),

@@ -261,6 +261,24 @@ def test_gpu_dense_backward_real_shapes(layout, monkeypatch):
 
 @gpu
 @needs_gpu_tilelang
+def test_gpu_dense_backward_zero_ahead_is_bitwise_the_same():
+    """Our scores kernel + cuBLAS with and without the side-stream zeroing of the next chunk (DensePlan), 16
+    chunks, head sums on: bitwise the same (test_ops_triton.dense_zero_ahead_runs)."""
+    from test_ops_triton import dense_zero_ahead_runs
+
+    def backward(pr, idx, cfg):
+        out, lse = tlm.tilelang_sparse_fwd(pr.q, pr.kv, idx, pr.scale, DV)
+        hs = torch.full(idx.shape, float("nan"), device="cuda")
+        dq, dkv = tlbws.tilelang_sparse_bwd_dense(pr.q, pr.kv, idx, out, lse, pr.d_out, None, pr.scale, DV,
+                                                  config=cfg, head_sums=hs)
+        assert not hs.isnan().any()
+        return dq, dkv, hs
+
+    dense_zero_ahead_runs(backward)
+
+
+@gpu
+@needs_gpu_tilelang
 def test_gpu_dense_backward_padded_heads_rows_without_keys_and_lse_gradient():
     empty = (0, 7, 299)
     q, kv, idx = (t.cuda() for t in _inputs(300, 500, 16, 200, seed=7, empty_rows=empty))

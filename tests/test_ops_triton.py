@@ -358,6 +358,45 @@ def test_gpu_sparse_mla_bwd_never_synchronises_with_the_host():
             assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1]), cfg
 
 
+def dense_zero_ahead_runs(backward, rows: int = 256):
+    """The dense formulation's gradients with and without ZERO_AHEAD (the next chunk's buffer zeroed on a side
+    stream; triton_sparse_mla.DensePlan) at S 4096 causal with ``rows``-row chunks, the indexer's host row bounds
+    given: backward(problem, idx, config) -> (dq, dkv[, ...]). Both must equal bitwise: the same kernels and GEMMs in the
+    same order, only where the memsets run differs; a memset racing a chunk's kernel or GEMMs would show."""
+    from megatron_glm5.ops import host_windows
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    pr = gpu_sparse_problem("causal", seed=5)
+    idx = pr.idx.clone()
+    host_windows.remember_row_ends(idx, torch.arange(idx.shape[0]))
+    got = {}
+    for ahead in (False, True, True):
+        cfg = dict(DENSE_ROWS=rows, ZERO_AHEAD=ahead)
+        plan = tsm.dense_plan(pr.q, pr.kv, idx, None, cfg)
+        assert plan is not None and plan.ahead == ahead and len(plan.starts) == -(-pr.q.shape[0] // rows)
+        got.setdefault(ahead, []).append(backward(pr, idx, cfg))
+    for a, b in zip(got[False][0], got[True][0]):
+        assert torch.equal(a, b)
+    for a, b in zip(got[True][0], got[True][1]):
+        assert torch.equal(a, b)
+    dq, dkv = got[True][0][:2]
+    assert rel_l2(dq, pr.dq) <= 1e-2 and rel_l2(dkv, pr.dkv) <= 1e-2, (rel_l2(dq, pr.dq), rel_l2(dkv, pr.dkv))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("det", [True, False])
+def test_gpu_dense_backward_zero_ahead_is_bitwise_the_same(det):
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    def backward(pr, idx, cfg):
+        out, lse = tsm.sparse_mla_fwd(pr.q, pr.kv, idx, pr.scale, DV)
+        return tsm.sparse_mla_bwd(pr.q, pr.kv, idx, out, lse, pr.d_out, None, pr.scale, DV, deterministic=det,
+                                  config=cfg)
+
+    dense_zero_ahead_runs(backward)
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("layout", ["causal", "packed"])

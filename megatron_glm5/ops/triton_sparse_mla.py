@@ -91,11 +91,13 @@ FWD_CONFIG = dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2)
 BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", SKIP_PAD=True,
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
                   DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128,
-                  DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3)
+                  DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3, ZERO_AHEAD=True)
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
 # _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
 # chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_ROWS: at
 # most this many query rows per chunk (None: as many as PDS_BUFFER_BYTES holds).  DENSE_*: the kernel's block shape.
+# ZERO_AHEAD (cuBLAS products on a GPU, two chunks or more): two chunk buffers, the next chunk's zeroed on a side
+# stream while this one's kernel and GEMMs run (DensePlan), instead of a memset between them
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
@@ -574,23 +576,62 @@ def _dense_dkv_mm(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v):
 
 class DensePlan:
     """The "dense" formulation with host-known key ends: query chunks of ``rows`` (chunk i starts at starts[i],
-    its keys all below key_ends[i]) and one buffer for the [key, query x head] dS and P matrices of a chunk (P at
-    p_off).  ``views(i)``: chunk i's (t0, n, kc, ds, p) with ds / p [kc, n * h] zeroed; ``products(...)``: its
-    cuBLAS GEMMs.  The Triton backward's kernel 1 and the tilelang backend's scores kernel both fill it."""
+    its keys all below key_ends[i]) and the buffers for the [key, query x head] dS and P matrices of a chunk (P at
+    p_off of a buffer).  ``views(i)``, called for i = 0, 1, ... in order: chunk i's (t0, n, kc, ds, p) with ds / p
+    [kc, n * h] zeroed; ``products(...)``: its cuBLAS GEMMs.  The Triton backward's kernel 1 and the tilelang
+    backend's scores kernel both fill it.
 
-    def __init__(self, n_q: int, h: int, rows: int, key_ends: list, dtype: torch.dtype, device):
+    ``zero_ahead`` (CUDA, two chunks or more): two buffers; chunk i + 1's is zeroed on a side stream once the
+    work issued before views(i) (chunk i - 1's GEMMs, its last reader) is done, so the memset overlaps chunk i's
+    kernel and GEMMs; views(i) makes the current stream wait for chunk i's zeroing.  Every side-stream memset is
+    waited for by the current stream before the buffers' next use and before the plan's end, so the caching
+    allocator may hand the buffers on as usual.  Without it: one buffer, zeroed in stream order."""
+
+    def __init__(self, n_q: int, h: int, rows: int, key_ends: list, dtype: torch.dtype, device,
+                 zero_ahead: bool = False):
         self.n_q, self.h, self.rows, self.key_ends = n_q, h, rows, key_ends
         self.starts = list(range(0, n_q, rows))
         self.p_off = max(key_ends, default=0) * rows * h
-        self.pds = torch.empty(max(1, 2 * self.p_off), dtype=dtype, device=device)
+        self.ahead = bool(zero_ahead) and torch.device(device).type == "cuda" and len(self.starts) > 1
+        size = max(1, 2 * self.p_off)
+        self.buffers = [torch.empty(size, dtype=dtype, device=device) for _ in range(2 if self.ahead else 1)]
+        self._side = torch.cuda.Stream(device) if self.ahead else None
+        self._zeroed = {}  # chunk -> the side stream's event after zeroing it
+
+    def buffer(self, i: int) -> torch.Tensor:
+        """Chunk i's buffer (dS at 0, P at p_off)."""
+        return self.buffers[i % len(self.buffers)]
+
+    def _region(self, i: int):
+        """(ds, p) of chunk i: flat views of its [kc, n * h] matrices."""
+        t0, kc = self.starts[i], self.key_ends[i]
+        size = kc * min(self.rows, self.n_q - t0) * self.h
+        buf = self.buffer(i)
+        return buf[:size], buf[self.p_off:self.p_off + size]
 
     def views(self, i: int):
         t0, kc = self.starts[i], self.key_ends[i]
         n = min(self.rows, self.n_q - t0)
-        size = kc * n * self.h
-        ds, p = self.pds[:size], self.pds[self.p_off:self.p_off + size]
-        ds.zero_()
-        p.zero_()
+        ds, p = self._region(i)
+        if self.ahead:
+            main = torch.cuda.current_stream(ds.device)
+            if i + 1 < len(self.starts):  # the next chunk's buffer: chunk i - 1's, whose GEMMs are issued
+                done = main.record_event()
+                with torch.cuda.stream(self._side):
+                    self._side.wait_event(done)
+                    ds_next, p_next = self._region(i + 1)
+                    ds_next.zero_()
+                    p_next.zero_()
+                    self._zeroed[i + 1] = self._side.record_event()
+            zeroed = self._zeroed.pop(i, None)
+            if zeroed is None:  # chunk 0 (or a restarted pass): in stream order
+                ds.zero_()
+                p.zero_()
+            else:
+                main.wait_event(zeroed)
+        else:
+            ds.zero_()
+            p.zero_()
         return t0, n, kc, ds.view(kc, n * self.h), p.view(kc, n * self.h)
 
     def chunks(self):
@@ -598,10 +639,11 @@ class DensePlan:
 
     def products(self, dkv, dq, kc, n, t0, q, d_out, kv, d_v, with_dq: bool = True):
         """dkv[:kc] += dS^T Q + P^T dO (latent part) and, with_dq, dq of the chunk's rows = dS kv."""
+        buf = self.buffer(t0 // self.rows)
         if kc > 0:
-            _dense_dkv_mm(dkv, self.pds, self.p_off, kc, n, self.h, q, d_out, t0, d_v)
+            _dense_dkv_mm(dkv, buf, self.p_off, kc, n, self.h, q, d_out, t0, d_v)
         if with_dq:
-            dense_dq_mm(dq, self.pds, kc, n, self.h, kv, t0)
+            dense_dq_mm(dq, buf, kc, n, self.h, kv, t0)
 
 
 def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Optional[dict] = None,
@@ -619,7 +661,7 @@ def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Opt
         return None
     rows = _dense_rows(n_q, n_keys, h, q.element_size(), cfg)
     ends = _host_chunk_key_ends(row_hi, range(0, n_q, rows), rows, n_keys)
-    return DensePlan(n_q, h, rows, ends, q.dtype, q.device)
+    return DensePlan(n_q, h, rows, ends, q.dtype, q.device, zero_ahead=bool(cfg.get("ZERO_AHEAD", False)))
 
 
 def dense_dq_mm(dq, pds, kc, n, h, kv, t0):
@@ -764,7 +806,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         if mode == "slots":
             pds = torch.empty(rows * 2 * topk * hp, dtype=q.dtype, device=q.device)
         elif plan is not None:  # its chunks are the loop's (one place: _dense_rows)
-            pds, p_off, rows, starts = plan.pds, plan.p_off, plan.rows, plan.starts
+            pds, p_off, rows, starts = plan.buffer(0), plan.p_off, plan.rows, plan.starts
         elif mode == "dense":
             # zeroed once: each chunk's dkv kernel zeroes the tiles it read (the scattered entries) again
             p_off = n_keys * rows * h
@@ -783,6 +825,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
                 n = min(rows, n_q - t0)
                 if plan is not None:  # kernel 1 scatters below the chunk's key end only
                     plan.views(i)
+                    pds = plan.buffer(i)
                 _bwd_kernel[(n, h_split)](
                     q, kv, indices, d_out, lse, delta, dq, dkv, buf, pds, ends_arg, hs,
                     q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), d_out.stride(0), d_out.stride(1),
