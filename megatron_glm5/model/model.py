@@ -73,6 +73,14 @@ def _check_selective_recompute(cfg) -> None:
                          "(its CheckpointWithoutOutput always takes the FP8 path); drop it or use full recompute") from None
 
 
+def _reset_mtp_loss_tracker() -> None:
+    """megatron-core keeps MTP loss metrics in a process-wide tracker sized by the first model's MTP depth; a model
+    built later in the same process (a notebook, a second run, the tests) with another depth would index past it."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+
+
 def build_model(config, *, pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
                 vp_stage: Optional[int] = None, mtp: Optional[bool] = None, base_precision: str = "bf16",
                 **overrides) -> GLM5Model:
@@ -105,6 +113,7 @@ def build_model(config, *, pre_process: Optional[bool] = None, post_process: Opt
     mcore_patches.apply("mtp_roll_tensor_cp", tcfg)  # MTP's token roll, exact under --cp > 1
     if tcfg.moe_token_dispatcher_type == "hybridep" and hybridep_backend() == "torch":
         setup_hybridep_groups(tcfg)  # collective: every rank creates the intra-/inter-node groups
+    _reset_mtp_loss_tracker()
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:

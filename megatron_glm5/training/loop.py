@@ -225,7 +225,6 @@ def train(args) -> int:
     finally:
         session.close()
         fault_hooks.end_run()
-        _reset_process_globals()
 
 
 class _Session:
@@ -252,14 +251,6 @@ class _Session:
             self.watchdog.stop()
         if self.run is not None:
             self.run.release()
-
-
-def _reset_process_globals() -> None:
-    """megatron-core keeps MTP loss metrics in a process-wide tracker sized by the model's MTP depth; a model built
-    later in the same process (a notebook, tests) with another depth would index past it."""
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-
-    MTPLossLoggingHelper.tracker.clear()
 
 
 def _train(args, session: "_Session") -> int:
