@@ -26,7 +26,8 @@ setup(
     install_requires=CORE,
     extras_require={
         # triton: tests/test_ops_triton.py runs the Triton kernels on CPU through its interpreter
-        "test": ["pytest>=8", "pytest-timeout", "triton==3.6.0", "accelerate", "peft>=0.21"],  # peft: LoRA export check
+        # peft: LoRA export check; pytest-xdist: two workers, one test file each at a time (pytest.ini)
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "triton==3.6.0", "accelerate", "peft>=0.21"],
         "gpu": ["triton>=3.6"],
         "tilelang": ["tilelang>=0.1.15"],
         "cudnn": ["nvidia-cudnn-frontend[cutedsl]>=1.32"],  # cudnn.DSA, read from 1.32.0
