@@ -308,9 +308,9 @@ def bench_autotune(cache_dir):
             "cache_key": autotune.cache_key(shape)}
 
 
-def bench_regions(tokens, warmup, reps):
-    """--fusions op by op: each fused region (model/fusions.py) and megatron-core's SwiGLU fusions, forward +
-    backward at GLM-5 widths, eager against compiled (the compilation in the warm-up)."""
+def bench_regions(tokens, warmup, reps, match=None):
+    """--fusions op by op: each fused region (model/fusions.py), megatron-core's SwiGLU fusions and ours
+    (model/swiglu.py), forward + backward at GLM-5 widths, eager against fused (a compilation in the warm-up)."""
     import torch.nn.functional as F
     from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl, weighted_bias_swiglu_impl
 
@@ -320,6 +320,7 @@ def bench_regions(tokens, warmup, reps):
     from megatron_glm5.model.moe import glm5_topk_routing
     from megatron_glm5.model.norm import rms_norm
     from megatron_glm5.model.rope import apply_interleaved_rope, rope_prefix
+    from megatron_glm5.model.swiglu import swiglu
 
     dev, bf = torch.device("cuda"), torch.bfloat16
     ang = torch.rand(tokens, 1, 32, device=dev) * tokens
@@ -368,9 +369,17 @@ def bench_regions(tokens, warmup, reps):
         "swiglu experts weighted (mcore)": (
             lambda h, w, fuse: expert_glu(h, w), lambda h, w: weighted_bias_swiglu_impl(h, None, w.unsqueeze(-1)),
             [torch.randn(rows, 2 * 2048, device=dev, dtype=bf), torch.rand(rows, device=dev)], []),
+        # ours (model/swiglu.py -> ops/triton_swiglu.py: --fusions auto's SwiGLU since session 13)
+        "swiglu dense (ours)": (lambda y, fuse: swiglu(y, fuse=fuse), None,
+                                [torch.randn(tokens, 2 * 12288, device=dev, dtype=bf)], []),
+        "swiglu experts weighted (ours)": (lambda h, w, fuse: swiglu(h, w, fuse=fuse), None,
+                                           [torch.randn(rows, 2 * 2048, device=dev, dtype=bf),
+                                            torch.rand(rows, device=dev)], []),
     }
     res = {}
     for name, (eager, fused, grads, rest) in cases.items():
+        if match and match not in name:
+            continue
         leaves = [t.detach().requires_grad_() for t in grads]
 
         def refill():
@@ -399,6 +408,8 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--parts", default="kl_target,cross_entropy,autotune,proxy")
     p.add_argument("--cache-dir", default="/tmp/megatron_glm5_attn_auto")
+    p.add_argument("--regions-match", default=None, metavar="TEXT",
+                   help="--parts regions: only the ops whose name contains TEXT (e.g. swiglu)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import logging
@@ -428,7 +439,7 @@ def main(argv=None):
         out["autotune"] = bench_autotune(args.cache_dir)
         print(json.dumps(out["autotune"]), flush=True)
     if "regions" in parts:
-        out["regions"] = bench_regions(args.proxy_seq or 4096, args.warmup, args.reps)
+        out["regions"] = bench_regions(args.proxy_seq or 4096, args.warmup, args.reps, args.regions_match)
     if "proxy" in parts and args.proxy_seq:
         out["proxy"] = bench_proxy(args.proxy_seq, args.warmup, args.reps)
     text = json.dumps(out, indent=1)

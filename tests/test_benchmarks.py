@@ -102,3 +102,17 @@ def test_no_benchmark_module_shadows_an_installed_package():
     installed = set(importlib.metadata.packages_distributions())
     stems = {p.stem for p in (REPO / "benchmarks").glob("*.py")}
     assert not stems & installed, sorted(stems & installed)
+
+
+def test_profile_categories_of_our_kernel_names():
+    """The step profile's categories (benchmarks/proxy_step.py): first match wins, so a kernel whose name ends like
+    the sparse kernels' (_bwd_kernel) but is elementwise work is counted as such."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from proxy_step import kernel_category
+
+    assert kernel_category("_swiglu_bwd_kernel") == kernel_category("_swiglu_fwd_kernel") == "elementwise"
+    assert kernel_category("_bwd_kernel") == kernel_category("sparse_mla_pds_ws_kernel_kernel") == "sparse attention"
+    assert kernel_category("_indexer_kl_kernel") == "KL"
+    assert kernel_category("triton_poi_fused_add_cat_0") == "elementwise"
+    assert kernel_category("void at::native::vectorized_elementwise_kernel<8, FillFunctor>") == "copies"  # memsets
+    assert kernel_category("nvjet_sm90_tst_256x128") == "GEMMs"

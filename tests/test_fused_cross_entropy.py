@@ -116,6 +116,7 @@ def test_model_takes_it_only_with_fusions_on(monkeypatch):
     never is), megatron-core's path without; same loss either way."""
     from megatron_glm5.config import GLM5Config
     from megatron_glm5.model.fusion_flags import config_overrides
+    from megatron_glm5.model import swiglu as swiglu_module
     from megatron_glm5.model.model import build_model
 
     cfg = GLM5Config.from_preset("tiny")
@@ -130,6 +131,7 @@ def test_model_takes_it_only_with_fusions_on(monkeypatch):
         assert not calls  # fusions.on is false for CPU tensors
         monkeypatch.setattr(fusions, "on", lambda config, x: True)
         monkeypatch.setattr(fusions.Region, "__call__", lambda self, *a, fuse=False: self.eager(*a))  # no CPU codegen
+        monkeypatch.setattr(swiglu_module, "_fused", lambda y, w: swiglu_module.swiglu(y, w))  # nor Triton on CPU
         fused = model(ids[:, :-1], labels=ids[:, 1:])
     assert calls and fused.shape == unfused.shape == (2, 8)
     torch.testing.assert_close(fused, unfused, rtol=1e-6, atol=1e-6)

@@ -1,8 +1,8 @@
 """--fusions (model/fusions.py, model/fusion_flags.py): every fused region against a reference written out here
 (fp32 on CPU, forward and gradients), both as the eager function the CPU path runs and traced whole by
-torch.compile (fullgraph, AOT autograd, no code generation: ``aot_eager``), megatron-core's SwiGLU fusions (run
-eagerly: ``force_eager``) against the unfused formula, the tiny model with the fused choice against the unfused
-one, and the flag. On a GPU: the compiled regions (Inductor's Triton kernels) against the eager ones."""
+torch.compile (fullgraph, AOT autograd, no code generation: ``aot_eager``), the tiny model with the fused choice
+against the unfused one (the SwiGLU kernel's place counted; the kernel itself: tests/test_swiglu.py), and the
+flag. On a GPU: the compiled regions (Inductor's Triton kernels) against the eager ones."""
 from __future__ import annotations
 
 import math
@@ -146,36 +146,6 @@ def test_router_region():
            lambda lg, b, *rest: ref_routing(lg, b, 4, 4, 2, 2.5)[0], n_grads=1)
 
 
-def test_megatron_swiglu_fusions_match_unfused():
-    """megatron-core's SwiGLU autograd functions (hand-written backward; bias_activation_fusion) as the dense MLP
-    and the routed experts call them, against silu(gate) * up (weighted: in fp32, cast back)."""
-    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl, weighted_bias_swiglu_impl
-
-    g = torch.Generator().manual_seed(1)
-    y0 = torch.randn(6, 2 * 10, generator=g)
-    w0 = torch.rand(6, generator=g)
-    up0 = torch.randn(6, 10, generator=g)
-
-    def ref(y, w=None):
-        act = F.silu(y[:, :10]) * y[:, 10:]
-        return act if w is None else (act.float() * w.float().unsqueeze(-1)).to(act.dtype)
-
-    with torch.compiler.set_stance("force_eager"):  # jit_fuser is torch.compile: its CPU code generation not needed
-        for fused, weighted in ((lambda y, w: bias_swiglu_impl(y, None), False),
-                                (lambda y, w: weighted_bias_swiglu_impl(y, None, w.unsqueeze(-1)), True)):
-            outs = []
-            for fn in (ref, fused):
-                y, w = _leaves(y0, w0)
-                out = fn(y, w if weighted else None) if fn is ref else fn(y, w)
-                (out * up0).sum().backward()
-                outs.append((out.detach(), y.grad, w.grad if weighted else None))
-            (ro, ry, rw), (fo, fy, fw) = outs
-            torch.testing.assert_close(fo, ro, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(fy, ry, rtol=1e-5, atol=1e-6)
-            if weighted:
-                torch.testing.assert_close(fw, rw, rtol=1e-5, atol=1e-6)
-
-
 def test_tiny_model_fused_equals_unfused(monkeypatch):
     """The tiny model (dense + MoE layers, DSA) with --fusions auto's config against none: same loss and
     gradients. On CPU the regions run eagerly (fusions.on is forced here, megatron-core's jit runs force_eager),
@@ -195,14 +165,12 @@ def test_tiny_model_fused_equals_unfused(monkeypatch):
 
     monkeypatch.setattr(fusions, "on", lambda config, x: bool(getattr(config, "elementwise_fusion", False)))
     monkeypatch.setattr(fusions.Region, "__call__", counting_call)
-    import megatron.core.transformer.mlp as mcore_mlp
-    from megatron_glm5.model import moe
+    from megatron_glm5.model import swiglu as swiglu_module
 
-    for module, name in ((mcore_mlp, "bias_swiglu_impl"), (moe, "weighted_bias_swiglu_impl")):
-        def counted(*args, _fn=getattr(module, name), _name=name):
-            calls.append((_name, True))
-            return _fn(*args)
-        monkeypatch.setattr(module, name, counted)
+    def counted_swiglu(y, weights):  # the Triton kernel's place (tests/test_swiglu.py tests the kernel itself)
+        calls.append(("swiglu" if weights is None else "swiglu weighted", True))
+        return swiglu_module.swiglu(y, weights, fuse=False)
+    monkeypatch.setattr(swiglu_module, "_fused", counted_swiglu)
     results, weights = {}, None
     with torch.compiler.set_stance("force_eager"):
         for fused in (False, True):
@@ -220,7 +188,7 @@ def test_tiny_model_fused_equals_unfused(monkeypatch):
     names = {"rms_norm", "latent_key", "rope_rotate_into", "rope_unrotate_into", "rope_prefix", "glm5_topk_routing"}
     assert {n for n, f in eager_calls} == names and not any(f for n, f in eager_calls)
     cross_entropy = {"_row_max", "_row_sums", "_logits_grad"}  # model/fused_cross_entropy.py: fused only
-    swiglu = {"bias_swiglu_impl", "weighted_bias_swiglu_impl"}
+    swiglu = {"swiglu", "swiglu weighted"}  # the dense MLPs / shared experts, the routed experts
     assert {n for n, f in fused_calls if f} == names | cross_entropy | swiglu
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == ref_grads.keys()
@@ -232,7 +200,7 @@ def test_flag_and_overrides():
     from megatron_glm5.arguments import ArgumentError, build_parser
     from megatron_glm5.config import GLM5Config
 
-    assert config_overrides("auto", cuda=True) == {"bias_activation_fusion": True, "elementwise_fusion": True}
+    assert config_overrides("auto", cuda=True) == {"use_te_activation_func": True, "elementwise_fusion": True}
     assert config_overrides("auto", cuda=False) == {} == config_overrides("none", cuda=True)  # the defaults: off
     with pytest.raises(FusionsError, match="--fusions must be one of auto, none"):
         config_overrides("max")
@@ -241,9 +209,9 @@ def test_flag_and_overrides():
     with pytest.raises(ArgumentError, match="argument --fusions: invalid choice: 'on'"):
         p.parse_args(["--fusions", "on"])
     tc = GLM5Config.from_preset("tiny").to_transformer_config(**config_overrides("auto", cuda=True))
-    assert tc.bias_activation_fusion and tc.elementwise_fusion
+    assert tc.use_te_activation_func and tc.elementwise_fusion and not tc.bias_activation_fusion
     tc = GLM5Config.from_preset("tiny").to_transformer_config()
-    assert not tc.bias_activation_fusion and not tc.elementwise_fusion
+    assert not tc.use_te_activation_func and not tc.elementwise_fusion and not tc.bias_activation_fusion
 
     class Cfg:
         elementwise_fusion = True

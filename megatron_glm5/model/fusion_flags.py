@@ -1,10 +1,11 @@
 """``--fusions {auto,none}``: the flag and the model-config fields it sets (stdlib-only at import: arguments.py stays
 cheap to import). The regions themselves: model/fusions.py.
 
-auto: on when CUDA is available -- megatron-core's SwiGLU fusion (``bias_activation_fusion``) and our compiled
-elementwise regions (``elementwise_fusion``: model/fusions.py's regions, the cross entropy of
-model/fused_cross_entropy.py among them); the first training step then compiles them (torch.compile, tens of
-seconds). none: every op eager, as on a CPU. The CPU path is eager either way.
+auto: on when CUDA is available -- our SwiGLU kernel (model/swiglu.py; megatron-core's MLP calls it through its
+activation-module slot, which it reads when ``use_te_activation_func`` is set -- the field's name notwithstanding,
+no Transformer Engine is involved) and our compiled elementwise regions (``elementwise_fusion``: model/fusions.py's
+regions, the cross entropy of model/fused_cross_entropy.py among them); the first training step then compiles them
+(torch.compile, tens of seconds). none: every op eager, as on a CPU. The CPU path is eager either way.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("fused elementwise ops")
     g.add_argument("--fusions", choices=FUSIONS, default="auto",
                    help="auto: on a CUDA GPU, RMSNorm, RoPE (+ the MLA / indexer concatenations), the MoE router's "
-                        "top-k, the LM cross entropy and megatron-core's SwiGLU run as torch.compile'd regions "
-                        "(compiled in the first step); none: all eager (docs/fusions.md)")
+                        "top-k and the LM cross entropy run as torch.compile'd regions (compiled in the first "
+                        "step), SwiGLU as our Triton kernel; none: all eager (docs/fusions.md)")
 
 
 def config_overrides(choice: str, cuda: Optional[bool] = None) -> Dict[str, object]:
@@ -41,5 +42,5 @@ def config_overrides(choice: str, cuda: Optional[bool] = None) -> Dict[str, obje
         import torch
         cuda = torch.cuda.is_available()
     if choice == "auto" and cuda:
-        return {"bias_activation_fusion": True, "elementwise_fusion": True}
+        return {"use_te_activation_func": True, "elementwise_fusion": True}
     return {}

@@ -5,9 +5,7 @@ kernels read, the MoE router's top-k + normalisation, ...), defined next to the 
 with :func:`region`. Called with ``fuse=False`` it runs eagerly, exactly as written; with ``fuse=True`` it runs
 through ``torch.compile(fullgraph=True)`` (compiled on first use, forward and backward), which turns its chain of
 casts, multiplies, slices and concatenations into a few Inductor/Triton kernels. The SwiGLU of the dense MLP, the
-shared experts and the routed experts is megatron-core's own fusion (``bias_activation_fusion``: its SwiGLU
-autograd functions with hand-written backward, compiled by its ``jit_fuser``, which is torch.compile), switched
-by the same choice.
+shared experts and the routed experts is our Triton kernel (model/swiglu.py), switched by the same choice.
 
 Which path a call takes: :func:`on` -- the model config's ``elementwise_fusion`` (set from ``--fusions``) and a
 CUDA tensor; the CPU path stays eager whatever the flag says. The flag: model/fusion_flags.py.

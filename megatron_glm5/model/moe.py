@@ -29,7 +29,6 @@ import logging
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping, compute_routing_scores_for_aux_loss
@@ -38,6 +37,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron_glm5.mcore_patches import registry as mcore_patches
 from megatron_glm5.mcore_patches.moe_fused_permute import permutes_with_moe_utils
 from megatron_glm5.model import fusions
+from megatron_glm5.model.swiglu import swiglu
 from megatron_glm5.model.hybridep_dispatcher import HierarchicalTokenDispatcher, hybridep_backend
 from megatron_glm5.model.params import param_device
 from megatron_glm5.model.permute_fusion import moe_permute_fusion_enabled
@@ -181,12 +181,8 @@ class GLM5GroupedExperts(MegatronModule):
         return grouped_linear(act, self.weight2, offsets, counts)
 
     def activation(self, h: torch.Tensor, permuted_probs: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up, weighted by the token's combine weight (--fusions: megatron-core's fused SwiGLU)."""
-        if fusions.on(self.config, h):
-            return weighted_bias_swiglu_impl(h, None, permuted_probs.unsqueeze(-1))
-        gate, up = h.split(self.ffn_local, dim=-1)
-        act = F.silu(gate) * up
-        return (act.float() * permuted_probs.float().unsqueeze(-1)).to(act.dtype)
+        """silu(gate) * up, weighted by the token's combine weight (model/swiglu.py; --fusions: our kernel)."""
+        return swiglu(h, permuted_probs, fuse=fusions.on(self.config, h))
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         from megatron.core.dist_checkpointing.mapping import ShardedTensor

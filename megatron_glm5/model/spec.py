@@ -29,6 +29,7 @@ from megatron_glm5.model.mla import GLM5MLASelfAttention
 from megatron_glm5.model.moe import GLM5MoELayer, GLM5Router
 from megatron_glm5.model.norm import GLM5RMSNorm, latent_rms_norm
 from megatron_glm5.model.pipeline_topk import stage_layers
+from megatron_glm5.model.swiglu import GLM5SwiGLU
 
 
 def _shared_experts(*, config, pg_collection, gate, submodules, name=None):
@@ -37,7 +38,9 @@ def _shared_experts(*, config, pg_collection, gate, submodules, name=None):
 
 def _mlp_spec(moe: bool, base_precision: str = "bf16"):
     _, gated_column, row = linear_classes(base_precision)  # --base-precision fp8: the frozen FP8 base (fp8/)
-    linears = MLPSubmodules(linear_fc1=gated_column, linear_fc2=row)
+    # activation_func: our SwiGLU module, which megatron-core's MLP calls when the config's use_te_activation_func
+    # is set (--fusions auto on a GPU: model/fusion_flags.py); otherwise MLP's own eager SwiGLU runs
+    linears = MLPSubmodules(linear_fc1=gated_column, linear_fc2=row, activation_func=GLM5SwiGLU)
     if not moe:
         return partial(MLP.as_mlp_submodule, submodules=linears)
     return partial(GLM5MoELayer, submodules=MoESubmodules(
