@@ -227,10 +227,17 @@ def initialize_model_parallel(
 
 def destroy_model_parallel() -> None:
     """Tear down megatron parallel state, and the process group if this module created it."""
+    _teardown(every_group=False)
+
+
+def _teardown(every_group: bool) -> None:
+    """megatron-core's parallel state, then torch's process groups: this module's (every_group False) or all of
+    them, also one created elsewhere (a parallel conversion's) and those megatron-core left behind at a
+    re-initialisation."""
     global _OWNS_PROCESS_GROUP, _STORE
     if "megatron.core.parallel_state" in sys.modules:
         sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
-    if _OWNS_PROCESS_GROUP and torch.distributed.is_initialized():
+    if (every_group or _OWNS_PROCESS_GROUP) and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     _OWNS_PROCESS_GROUP = False
     _STORE = None
@@ -252,15 +259,10 @@ def end_of_job() -> None:
 
 
 def _teardown_at_exit() -> None:
-    global _OWNS_PROCESS_GROUP, _STORE
     dist = torch.distributed
     if not (_ENDED_WELL and dist.is_available() and dist.is_initialized()):
         return
     try:
-        if "megatron.core.parallel_state" in sys.modules:
-            sys.modules["megatron.core.parallel_state"].destroy_model_parallel()
-        dist.destroy_process_group()  # every group, also those megatron-core left behind at a re-initialisation
+        _teardown(every_group=True)
     except Exception as e:  # the process is ending: say it, do not turn a finished job into a failed one
         print(f"warning: tearing down the process group at exit: {type(e).__name__}: {e}", file=sys.stderr)
-    _OWNS_PROCESS_GROUP = False
-    _STORE = None

@@ -8,9 +8,10 @@ same bits on every run.
 
 Why a kernel of our own: megatron-core's fused SwiGLU (``fused_bias_swiglu``, compiled by torch.compile) builds its
 backward as ``torch.cat`` of the two halves, one Inductor kernel whose every element loads both branches' inputs
-under masks; inside the training step, where torch.compile has seen two widths and compiled it shape-generic, that
-backward took 3.19 ms for 4 calls of a GLM-5 proxy step on an H100, against 1.21 ms for this module's forward and
-backward kernels together (5 calls each; docs/fusions.md has the measured rows, op by op too). Math in fp32, one
+under masks. In a profiled GLM-5 proxy step on an H100 that backward took 3.19 ms for its 4 calls, against 1.21 ms
+for this module's forward and backward kernels together (5 calls each). Alone, at the dense width, megatron-core's
+forward + backward takes 0.70 ms, as fast as ours; why it is slower in the step (a shape-generic recompilation
+after two widths is the likely cause) was not verified. docs/fusions.md has the measured rows. Math in fp32, one
 rounding to y's dtype per stored element (megatron-core's compiled functions also compute in fp32); the weights'
 gradient in fp32, returned in the weights' dtype.
 
