@@ -7,8 +7,9 @@
   target's head sums (``head_probs``), the separate head-sum kernel given the forward's lse, and the whole sparse KL
   (head sums + the fused indexer KL kernel, forward-side gradients) either way.
 * ``indexer_kl`` (``--parts indexer_kl``, not in the default list): the fused indexer KL kernel alone at each of
-  --seqs, without gradients and with them by each d_k_idx path (atomic / dense, both modes), and the opt-in tile
-  form (ops/triton_kl_tiles.py) with its block shapes, against the slot form (values, bitwise repeat).
+  --seqs, without gradients and with them by each d_k_idx path (atomic / dense, both modes), after our indexer's
+  top-k with the log-sum-exp it leaves and with the kernel's own first pass, and the opt-in tile form
+  (ops/triton_kl_tiles.py) with its block shapes, against the slot form (values, bitwise repeat).
 * ``cross_entropy``: the output layer + LM cross entropy at --ce-tokens tokens x 6144 hidden x 154,880 vocabulary,
   forward + backward: megatron-core's unfused path against ``--cross-entropy-fusion chunked`` and ``--fusions
   auto``'s compiled cross entropy (model/fused_cross_entropy.py) after the same output GEMM; time and the peak
@@ -156,6 +157,25 @@ def bench_indexer_kl(seq, warmup, reps):
         for dk in ("atomic", "dense"):
             name = f"{dk}_{'deterministic' if det else 'atomic_mode'}"
             res[f"{name}_ms"] = timed(lambda: run(True, det, dk), refill, warmup, reps)
+    # after our indexer's top-k of the same inputs (a fresh one per run, outside the timing): the KL given the
+    # log-sum-exp the indexer left (one pass over the slots) against its own first pass (INDEXER_LSE off)
+    state = {}
+
+    def refill_topk():
+        refill()
+        state["idx"] = triton_indexer.indexer_topk(qi, ki, w, TOPK, ks, qe, DI ** -0.5)
+
+    for det in (False, True):
+        for lse in (True, False):
+            name = f"after_topk_{'indexer_lse' if lse else 'two_passes'}_{'deterministic' if det else 'atomic_mode'}"
+            res[f"{name}_ms"] = timed(lambda: triton_kl.indexer_kl_grads(
+                qi, ki, w, state["idx"], hs, DI ** -0.5, deterministic=det, config=dict(INDEXER_LSE=lse)),
+                refill_topk, warmup, reps)
+    refill_topk()
+    one, two = (triton_kl.indexer_kl_grads(qi, ki, w, state["idx"], hs, DI ** -0.5, config=dict(INDEXER_LSE=lse))
+                for lse in (True, False))
+    for i, name in ((0, "kl"), (2, "dq"), (3, "dk"), (4, "dw")):
+        res[f"indexer_lse_{name}_rel_diff"] = float((one[i] - two[i]).norm() / two[i].norm())
     # the passes over every slot, the causal padding included (before SKIP_PAD)
     res["atomic_atomic_mode_every_slot_ms"] = timed(lambda: run(True, False, "atomic", False), refill, warmup, reps)
     res["dense_deterministic_every_slot_ms"] = timed(lambda: run(True, True, "dense", False), refill, warmup, reps)

@@ -126,7 +126,8 @@ def step_transformers(model, ids, mark=None):
 # kernels (torch.compile: triton_poi_/triton_red_/triton_per_) are "elementwise" even when they concatenate.
 CATEGORIES = (
     ("elementwise", ("_swiglu_",)),  # ops/triton_swiglu.py's kernels (their names end in _fwd_kernel / _bwd_kernel)
-    ("KL", ("_head_prob_kernel", "head_probs_kernel", "_indexer_kl_kernel", "tilelang_kl", "kl_kernel")),
+    ("KL", ("_head_prob_kernel", "head_probs_kernel", "_indexer_kl_kernel", "_selected_lse_kernel", "tilelang_kl",
+            "kl_kernel")),
     ("indexer", ("_score_keys_kernel", "indexer")),
     ("sparse attention", ("_fwd_kernel", "_bwd_kernel", "_dkv_kernel", "_segment_sum_kernel", "sparse_mla", "flash",
                           "fmha",

@@ -83,6 +83,40 @@ def test_the_indexer_leaves_its_row_bounds_for_the_sparse_backward():
     assert host_windows.row_ends(out) is None
 
 
+def test_the_indexer_leaves_the_log_sum_exp_of_each_rows_selected_scores():
+    """Given the scale, chunked_topk remembers under its result the LSE of each row's selected scores (decoded
+    from the sortable keys; -inf for a row without keys), for those very inputs only."""
+    from megatron_glm5.ops.triton_indexer import chunked_topk
+
+    ks = torch.tensor([0, 0, 0, 3, 3, 5, 5, 5, 5, 9])
+    qe = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 4, 9])  # row 8 empty
+    scores = torch.tensor([[-3.5, 0.0, -0.0, 2.25, 7.0, -1e30, 1e-30, 5.5, -7.75, 1.0]]).expand(10, 10)
+
+    def score_keys(c0, rows, lo, width, ks_, qe_, keys):  # the scoring kernels' encoding of these scores
+        bits = scores[c0:c0 + rows, lo:lo + width].contiguous().view(torch.int32)
+        rel = torch.arange(width, dtype=torch.int64)
+        j = lo + rel
+        inside = (j >= ks_[c0:c0 + rows, None]) & (j <= qe_[c0:c0 + rows, None])
+        bits = torch.where(inside, bits, torch.tensor(float("-inf")).view(torch.int32))
+        ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+        keys.copy_(ordered * 4294967296 + (4294967295 - rel))
+
+    q, k, w = torch.zeros(10, 2, 4), torch.zeros(10, 4), torch.zeros(10, 2)
+    out = chunked_topk(q, k, w, 3, ks, qe, score_keys, softmax_scale=0.5)
+    lse = host_windows.selected_lse(out, q, k, w, 0.5)
+    s64 = scores[0].double()
+    want = [float(torch.logsumexp(s64[int(ks[t]):int(qe[t]) + 1].topk(min(3, int(qe[t] - ks[t]) + 1)).values, 0))
+            if qe[t] >= ks[t] else float("-inf") for t in range(10)]
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    assert host_windows.selected_lse(out, q, k, w, 0.25) is None  # another scale
+    assert host_windows.selected_lse(out, q.clone(), k, w, 0.5) is None  # other inputs
+    assert host_windows.selected_lse(out.clone(), q, k, w, 0.5) is None
+    assert host_windows.selected_lse(chunked_topk(q, k, w, 3, ks, qe, score_keys), q, k, w, 0.5) is None  # no scale
+    w.add_(0)  # modified in place
+    assert host_windows.selected_lse(out, q, k, w, 0.5) is None
+
+
 def _tiny_moe_run(monkeypatch, device_counts: bool):
     import megatron_glm5
     from megatron.core.transformer.moe import token_dispatcher

@@ -68,6 +68,7 @@ KL_MODES = [("packed", False, True, 16, "auto"), ("packed", True, False, 8, "aut
             ("cp", True, False, 16, "tiles_chunked"), ("empty_rows", False, True, 8, "tiles_chunked"),
             ("empty_rows", True, True, 8, "tiles_no_bounds")]
 TOPK_CASES = [("batch2", 5), ("packed", 64), ("cp", 5), ("empty_rows", 64)]  # 64: more than any window
+KL_AFTER_TOPK = [("packed", 6), ("empty_rows", 64), ("cp", 5)]  # (layout, top-k): short and full windows
 
 
 def build_cases():
@@ -102,6 +103,13 @@ def build_cases():
             hs = (torch.rand(idx.shape, generator=g) + 0.1) * (idx >= 0)
             cases["kl_given_target"] = dict(kind="kl_given", q_idx=qi, k_idx=ki, weights=w, idx_scale=0.5,
                                             indices=idx, head_sums=hs)
+    for name, topk in KL_AFTER_TOPK:  # our indexer's top-k, then the KL (integer inputs: exact scores)
+        ks, qe, n_k = LAYOUTS[name]()
+        qi, ki, w = int_inputs(ks.numel(), n_k, 4, 16, g, dtype=torch.float32)
+        ref_idx = reference.indexer_topk(qi, ki, w, topk, ks, qe, 0.25)  # the test checks ours equal to it
+        hs = (torch.rand(ks.numel(), topk, generator=g) + 0.1) * (ref_idx >= 0)  # 0 on unused slots (contract)
+        cases[f"kl_after_topk_{name}"] = dict(kind="kl_after_topk", q_idx=qi, k_idx=ki, weights=w, idx_scale=0.25,
+                                              topk=topk, key_start=ks, query_end=qe, head_sums=hs)
     return cases
 
 
@@ -185,6 +193,63 @@ def test_interp_indexer_kl_loss(interp, name, deterministic, with_lse, block_n, 
         torch.testing.assert_close(got[key].to(F64), ref_grad, rtol=1e-4, atol=1e-5, msg=key)
 
 
+def _fp64_kl_from_target(c, indices, head_sums):
+    """(KL sum, counted rows, d_q_idx, d_k_idx, d_w) in float64, written here: softmax over each row's selected keys
+    of sum_h w relu(scale q_idx . k_idx) against the normalised head sums."""
+    idx = indices.long()
+    ok = (idx >= 0) & (idx < c["k_idx"].shape[0])
+    q_idx, k_idx, w = (c[k].to(F64).requires_grad_() for k in ("q_idx", "k_idx", "weights"))
+    a = torch.einsum("thd,tjd->thj", q_idx, k_idx[idx.clamp(min=0)]) * c["idx_scale"]
+    z = (w[:, :, None] * torch.relu(a)).sum(1).masked_fill(~ok, float("-inf"))  # relu: no gradient at 0
+    rows = ok.any(1)
+    log_ind = torch.log_softmax(z[rows], dim=-1)
+    p = head_sums.to(F64)[rows]
+    tgt = torch.where(ok[rows], p / p.sum(1, keepdim=True), 0.0)
+    want = torch.where(tgt > 0, tgt * (torch.log(tgt.clamp(min=1e-300)) - log_ind.masked_fill(~ok[rows], 0.0)),
+                       0.0).sum()
+    want.backward()
+    return want.detach(), int(rows.sum()), q_idx.grad, k_idx.grad, w.grad
+
+
+def _assert_kl_close(got, want):
+    kl, n, d_qi, d_ki, d_w = got[:5]
+    assert int(n) == want[1]
+    torch.testing.assert_close(kl.to(F64), want[0], rtol=1e-4, atol=1e-5)
+    for g, ref in zip((d_qi, d_ki, d_w), want[2:]):
+        torch.testing.assert_close(g.to(F64), ref, rtol=1e-4, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("name,topk", KL_AFTER_TOPK)
+def test_interp_indexer_kl_takes_the_indexers_log_sum_exp(interp, name, topk):
+    """Our indexer leaves under its top-k list the log-sum-exp of each row's selected scores (equal to one computed
+    here in float64 from the inputs, -inf for rows without keys); the KL kernel then skips its first pass, and the
+    KL and its gradients equal an fp64 KL written here -- in both modes, as with the first pass (INDEXER_LSE off).
+    An equal copy of q_idx, or q_idx modified in place, does not get the remembered value."""
+    cases, res = interp
+    c, got = cases[f"kl_after_topk_{name}"], res[f"kl_after_topk_{name}"]
+    idx = got["indices"].long()
+    want_idx = reference.indexer_topk(c["q_idx"], c["k_idx"], c["weights"], topk, c["key_start"], c["query_end"],
+                                      c["idx_scale"])
+    assert torch.equal(got["indices"], want_idx)
+    ok = idx >= 0
+    scores = reference.indexer_scores_naive(c["q_idx"].to(F64), c["k_idx"].to(F64), c["weights"].to(F64),
+                                            c["idx_scale"])
+    lse = torch.logsumexp(scores.gather(1, idx.clamp(min=0)).masked_fill(~ok, float("-inf")), dim=1)
+    assert got["lse"] is not None and got["lse"].dtype == torch.float32
+    assert torch.equal(torch.isinf(got["lse"]), ~ok.any(1)) and not torch.isnan(got["lse"]).any()
+    assert (~ok.any(1)).any() == (name == "empty_rows")  # that layout has rows without keys
+    torch.testing.assert_close(got["lse"][ok.any(1)].to(F64), lse[ok.any(1)], rtol=1e-6, atol=1e-6)
+    want = _fp64_kl_from_target(c, got["indices"], c["head_sums"])
+    for det in (False, True):
+        assert got["remembered", det][5] and all(got["remembered", det][5])  # every launch given the LSE
+        assert got["off", det][5] and not any(got["off", det][5])
+        assert got["other_q", det][5] and not any(got["other_q", det][5])
+        for way in ("remembered", "off", "other_q"):
+            _assert_kl_close(got[way, det], want)
+    assert got["after_inplace"] is None
+
+
 @needs_triton
 @pytest.mark.parametrize("deterministic,skip,form", [(False, True, "slots"), (False, False, "slots"),
                                                      (True, True, "slots"), (False, True, "tiles"),
@@ -195,23 +260,8 @@ def test_interp_indexer_kl_from_a_given_target_with_the_padding_skip(interp, det
     deterministic mode: the per-slot rows, no skip), and the tile form (chunks of 5 query rows)."""
     cases, res = interp
     c = cases["kl_given_target"]
-    kl, n, d_qi, d_ki, d_w = res["kl_given_target"][deterministic, skip, form]
-    idx = c["indices"].long()
-    ok = (idx >= 0) & (idx < c["k_idx"].shape[0])
-    q_idx, k_idx, w = (c[k].to(F64).requires_grad_() for k in ("q_idx", "k_idx", "weights"))
-    a = torch.einsum("thd,tjd->thj", q_idx, k_idx[idx.clamp(min=0)]) * c["idx_scale"]
-    z = (w[:, :, None] * a.clamp(min=0)).sum(1).masked_fill(~ok, float("-inf"))
-    rows = ok.any(1)
-    log_ind = torch.log_softmax(z[rows], dim=-1)
-    p = c["head_sums"].to(F64)[rows]
-    tgt = torch.where(ok[rows], p / p.sum(1, keepdim=True), 0.0)
-    want = torch.where(tgt > 0, tgt * (torch.log(tgt.clamp(min=1e-300)) - log_ind.masked_fill(~ok[rows], 0.0)),
-                       0.0).sum()
-    want.backward()
-    assert int(n) == int(rows.sum())
-    torch.testing.assert_close(kl.to(F64), want.detach(), rtol=1e-4, atol=1e-5)
-    for got, ref in ((d_qi, q_idx.grad), (d_ki, k_idx.grad), (d_w, w.grad)):
-        torch.testing.assert_close(got.to(F64), ref, rtol=1e-4, atol=1e-5)
+    _assert_kl_close(res["kl_given_target"][deterministic, skip, form],
+                     _fp64_kl_from_target(c, c["indices"], c["head_sums"]))
 
 
 @needs_triton
@@ -491,6 +541,56 @@ def test_gpu_indexer_kl_loss_real_shapes():
             assert torch.equal(no_atomics[0], no_atomics[1])  # no atomics: the same bits in both modes
     finally:
         triton_kl_tiles._new_g = real_new_g
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("indexer", ["triton", "tilelang"])
+def test_gpu_indexer_kl_after_our_indexer_takes_its_log_sum_exp(indexer):
+    """GLM-5 shapes, causal: our indexer's top-k leaves the log-sum-exp of each row's selected scores (within 1e-5
+    of one computed here in fp32 from the reference scores); the KL then skips its first pass and equals the
+    fp32 reference and the two-pass KL (INDEXER_LSE off) in both modes."""
+    from megatron_glm5.ops import host_windows, triton_indexer, triton_kl
+
+    if indexer == "tilelang":
+        from megatron_glm5.ops import tilelang_sparse_mla
+        if not tilelang_sparse_mla.probe_tilelang():
+            pytest.skip("tilelang is not installed")
+        from megatron_glm5.ops.tilelang_indexer import tilelang_indexer_topk as topk_fn
+    else:
+        topk_fn = triton_indexer.indexer_topk
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    ks, qe = gpu_layouts()["causal"]
+    qi = torch.randn(S_GPU, HI, DI, device="cuda", generator=gen).bfloat16()
+    ki = torch.randn(S_GPU, DI, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(S_GPU, HI, device="cuda", generator=gen) * HI ** -0.5
+    scale = DI ** -0.5
+    idx = topk_fn(qi, ki, w, TOPK, ks, qe, scale)
+    lse = host_windows.selected_lse(idx, qi, ki, w, scale)
+    assert lse is not None
+    ok = idx >= 0
+    want = torch.empty(S_GPU, device="cuda")
+    for c0 in range(0, S_GPU, 512):  # fp32 reference scores of the selected keys, in row chunks
+        s = reference.indexer_scores_naive(qi[c0:c0 + 512].float(), ki.float(), w[c0:c0 + 512], scale)
+        sel = s.gather(1, idx[c0:c0 + 512].long().clamp(min=0)).masked_fill(~ok[c0:c0 + 512], float("-inf"))
+        want[c0:c0 + 512] = torch.logsumexp(sel, dim=1)
+    assert ok.any(1).all()  # causal: every row has its own key
+    assert (lse - want).abs().max() <= 1e-5 * (1 + want.abs().max())
+    head_sums = torch.rand(S_GPU, TOPK, device="cuda", generator=gen) * ok  # any target, 0 on unused slots
+    want_kl = _fp64_kl_from_target(dict(q_idx=qi, k_idx=ki, weights=w, idx_scale=scale), idx, head_sums)
+    results = {}
+    for det in (False, True):
+        for cfg in ({}, dict(INDEXER_LSE=False)):
+            results[det, bool(cfg)] = triton_kl.indexer_kl_grads(qi, ki, w, idx, head_sums, scale, deterministic=det,
+                                                                 config=cfg or None)
+    for det in (False, True):
+        one, two = results[det, False], results[det, True]
+        assert int(one[1]) == S_GPU == want_kl[1] and int(two[1]) == S_GPU
+        assert abs(float(one[0] - two[0])) <= 1e-4 * abs(float(two[0])), (float(one[0]), float(two[0]))
+        assert abs(float(one[0]) - float(want_kl[0])) <= 1e-2 * abs(float(want_kl[0])), (float(one[0]), want_kl[0])
+        for g1, g2, gr, name in zip(one[2:], two[2:], want_kl[2:], ("d_q_idx", "d_k_idx", "d_w")):
+            assert not g1.isnan().any() and rel_l2(g1, g2) <= 1e-4, (name, det, rel_l2(g1, g2))
+            assert rel_l2(g1, gr.to(g1.dtype)) <= 1e-2, (name, det, rel_l2(g1, gr.to(g1.dtype)))
 
 
 @needs_triton

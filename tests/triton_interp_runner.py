@@ -130,7 +130,41 @@ def run_kl_given(c):
     return out
 
 
-RUNNERS = {"topk": run_topk, "mla": run_mla, "kl": run_kl, "kl_given": run_kl_given, "backend": run_backend}
+def run_kl_after_topk(c):
+    """Our indexer's top-k of the case's inputs, then indexer_kl_grads on it from the case's head sums: with the
+    log-sum-exp the indexer remembered (by default), with INDEXER_LSE off, and from an equal copy of q_idx (another
+    tensor: the remembered value must not be used) -- each with whether the KL kernel was given that LSE."""
+    from megatron_glm5.ops import host_windows, triton_indexer, triton_kl
+
+    indices = triton_indexer.indexer_topk(c["q_idx"], c["k_idx"], c["weights"], c["topk"], c["key_start"],
+                                          c["query_end"], c["idx_scale"], config=dict(BLOCK_N=16, N_ITERS=1))
+    kernel, given = triton_kl._indexer_kl_kernel, []
+
+    class Spy:  # records LSE_GIVEN of every launch
+        def __getitem__(self, grid):
+            launch = kernel[grid]
+            return lambda *a, **k: (given.append(k["LSE_GIVEN"]), launch(*a, **k))[1]
+
+    out = dict(indices=indices, lse=host_windows.selected_lse(indices, c["q_idx"], c["k_idx"], c["weights"],
+                                                              c["idx_scale"]))
+    triton_kl._indexer_kl_kernel = Spy()
+    try:
+        for name, q_idx, cfg in (("remembered", c["q_idx"], {}), ("off", c["q_idx"], dict(INDEXER_LSE=False)),
+                                 ("other_q", c["q_idx"].clone(), {})):
+            for det in (False, True):
+                given.clear()
+                res = triton_kl.indexer_kl_grads(q_idx, c["k_idx"], c["weights"], indices, c["head_sums"],
+                                                 c["idx_scale"], deterministic=det, config=dict(BLOCK_N=8, **cfg))
+                out[name, det] = res + (list(given),)
+    finally:
+        triton_kl._indexer_kl_kernel = kernel
+    c["q_idx"].add_(0)  # modified in place: its version moves on, so the remembered value no longer holds
+    out["after_inplace"] = host_windows.selected_lse(indices, c["q_idx"], c["k_idx"], c["weights"], c["idx_scale"])
+    return out
+
+
+RUNNERS = {"topk": run_topk, "mla": run_mla, "kl": run_kl, "kl_given": run_kl_given, "backend": run_backend,
+           "kl_after_topk": run_kl_after_topk}
 
 
 def main(cases_path, results_path):

@@ -6,7 +6,8 @@ the host to the GPU through pinned memory without blocking the host and remember
 tensor; ``host_copy`` gives that host tensor back (``reference.windows`` plans every kernel's chunks from it), or
 the tensor it was given when none is known (a device tensor then costs the one copy it always cost).
 ``remember_row_ends`` / ``row_ends`` do the same for the per-row largest key of a top-k list that the indexer
-built from those windows.
+built from those windows, and ``remember_selected_lse`` / ``selected_lse`` for a device fact the indexer has at
+hand: the log-sum-exp of each row's selected scores (the indexer KL then needs no pass of its own to find it).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class _HostFacts:
 
 _copies = _HostFacts()  # a device tensor -> the host tensor holding its values
 _row_ends = _HostFacts()  # a top-k list -> each row's largest possible key (host int64 [T], -1: no keys)
+_selected_lse = _HostFacts()  # a top-k list -> (the LSE of each row's selected scores, what they were scored from)
 
 
 def to_device(host: torch.Tensor, device) -> torch.Tensor:
@@ -80,3 +82,28 @@ def remember_row_ends(indices: torch.Tensor, row_hi: torch.Tensor) -> None:
 def row_ends(indices: torch.Tensor) -> Optional[torch.Tensor]:
     """The host row bounds remembered for ``indices`` (alive and unmodified since), else None."""
     return _row_ends.get(indices)
+
+
+def _scored_from(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor, softmax_scale: float) -> tuple:
+    """What identifies the inputs a top-k list was scored from: each tensor's storage, shape and version, and the
+    scale."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.dtype, t._version) for t in (q_idx, k_idx, weights)) + (
+        float(softmax_scale),)
+
+
+def remember_selected_lse(indices: torch.Tensor, lse: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor,
+                          weights: torch.Tensor, softmax_scale: float) -> None:
+    """Record that ``lse`` (fp32 [T], on the device; -inf for a row without keys) is the log-sum-exp over each row's
+    selected keys of the index scores sum_h w[t, h] relu(softmax_scale q_idx[t, h] . k_idx[j]) from which the
+    indexer built ``indices`` -- the normaliser of the indexer KL's softmax (ops/triton_kl.py)."""
+    _selected_lse.put(indices, (lse, _scored_from(q_idx, k_idx, weights, softmax_scale)))
+
+
+def selected_lse(indices: torch.Tensor, q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor,
+                 softmax_scale: float) -> Optional[torch.Tensor]:
+    """The remembered LSE of ``indices``' selected scores when the list is alive and unmodified and was scored from
+    these very q_idx, k_idx, weights (same storage, shape, dtype, version) and scale; else None."""
+    fact = _selected_lse.get(indices)
+    if fact is None or fact[1] != _scored_from(q_idx, k_idx, weights, softmax_scale):
+        return None
+    return fact[0]

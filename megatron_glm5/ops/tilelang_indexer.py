@@ -174,4 +174,4 @@ def tilelang_indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, sof
         kernel(q2[c0 * heads:(c0 + rows) * heads], k[lo:lo + width], w[c0:c0 + rows],
                (ks[c0:c0 + rows] - lo).to(torch.int32), (qe[c0:c0 + rows] - lo).to(torch.int32), keys)
 
-    return triton_indexer.chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys)
+    return triton_indexer.chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys, softmax_scale)

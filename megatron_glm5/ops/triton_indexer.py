@@ -14,9 +14,14 @@ Slots beyond a query's window size are -1, as in the reference.
 
 ``chunked_topk`` is that chunking / top-k driver with the scoring kernel as a parameter (``score_keys`` fills one
 chunk's key buffer); ``indexer_topk`` plugs in the Triton kernel, ``tilelang_indexer`` its TileLang kernel.
+Given the scores' softmax scale, the driver also leaves under the top-k list the log-sum-exp of each row's selected
+scores (``host_windows.remember_selected_lse``), decoded from the sorted keys by ``_selected_lse_kernel``: the
+indexer KL's softmax normaliser, which the KL kernel would otherwise find in a pass of its own over the keys.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -71,18 +76,62 @@ def _score_keys_kernel(
         tl.store(OUT + r * stride_ot + rel, key, mask=inside)
 
 
+@triton.jit
+def _selected_lse_kernel(BEST, N_VALID, LSE, stride_b, k, BLOCK: tl.constexpr):
+    """LSE[r] = log sum_s exp(score of row r's slot s) over its n_valid first slots of BEST (the sorted keys of
+    torch.topk: the fp32 score's order-preserving int32 in the high half, so slot 0 holds the maximum)."""
+    r = tl.program_id(0).to(tl.int64)
+    n = tl.minimum(tl.load(N_VALID + r), k)
+    offs = tl.arange(0, BLOCK)
+    m = _decoded_score(tl.load(BEST + r * stride_b))
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s0 in range(0, k, BLOCK):
+        slot = s0 + offs
+        z = _decoded_score(tl.load(BEST + r * stride_b + slot, mask=slot < n, other=0))
+        acc += tl.where(slot < n, tl.exp(z - m), 0.0)
+    tl.store(LSE + r, tl.where(n > 0, m + tl.log(tl.sum(acc, axis=0)), float("-inf")))
+
+
+@triton.jit
+def _decoded_score(key):
+    """The fp32 score of a sortable key (the inverse of the scoring kernels' encoding)."""
+    ordered = (key >> 32).to(tl.int32)
+    return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+
+def decoded_scores(best: torch.Tensor) -> torch.Tensor:
+    """fp32 scores of sortable keys (int64; torch ops, for the CPU)."""
+    ordered = torch.div(best, 4294967296, rounding_mode="floor").to(torch.int32)
+    return torch.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).view(torch.float32)
+
+
+def _selected_lse(best: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """fp32 [rows]: the LSE of each row's first n_valid sorted scores (-inf without any)."""
+    rows, k = best.shape
+    if best.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        lse = torch.empty(rows, dtype=torch.float32, device=best.device)
+        if rows:
+            _selected_lse_kernel[(rows,)](best, n_valid, lse, best.stride(0), k,
+                                          BLOCK=min(1024, triton.next_power_of_2(max(k, 16))))
+        return lse
+    z = decoded_scores(best).masked_fill(torch.arange(k, device=best.device) >= n_valid[:, None], float("-inf"))
+    return torch.logsumexp(z, dim=-1)
+
+
 def check_shapes(q_idx, k_idx, weights):
     if q_idx.dim() != 3 or k_idx.dim() != 2 or weights.dim() != 2:
         raise ValueError("expected q_idx [T, Hi, Di], k_idx [Tk, Di], weights [T, Hi]")
 
 
 @torch.no_grad()
-def chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys):
+def chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys, softmax_scale=None):
     """Same contract as ``reference.indexer_topk`` (int32 [T, topk], -1 padded) for any scoring kernel.
 
     ``score_keys(c0, rows, lo, width, ks, qe, keys)`` must fill ``keys`` (int64 [rows, width], uninitialised) with
     the sortable keys of queries c0 .. c0 + rows - 1 against key rows lo .. lo + width - 1 (see the module
-    docstring); ks / qe are key_start / query_end as int64 on q_idx's device.
+    docstring); ks / qe are key_start / query_end as int64 on q_idx's device.  softmax_scale: the scale the
+    scores were computed with; given, the LSE of each row's selected scores is remembered under the result for
+    these q_idx, k_idx, weights (``host_windows.remember_selected_lse``).
     """
     check_shapes(q_idx, k_idx, weights)
     n_q, n_k = q_idx.shape[0], k_idx.shape[0]
@@ -94,6 +143,9 @@ def chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys):
     n_valid = win.n_valid_on(q_idx.device)
     ks = key_start.to(device=q_idx.device, dtype=torch.int64).contiguous()
     qe = query_end.to(device=q_idx.device, dtype=torch.int64).contiguous()
+    lse = None
+    if softmax_scale is not None:
+        lse = torch.full((n_q,), float("-inf"), dtype=torch.float32, device=q_idx.device)
     c0 = 0
     while c0 < n_q:
         rows = min(MAX_ROWS, n_q - c0)
@@ -112,8 +164,12 @@ def chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys):
             slot = torch.arange(k, device=pos.device)
             sel = torch.where(slot[None, :] < n_valid[c0:c0 + rows, None], pos, torch.full_like(pos, -1))
             out[c0:c0 + rows, :k] = sel.to(TOPK_DTYPE)
+            if lse is not None:
+                lse[c0:c0 + rows] = _selected_lse(best, n_valid[c0:c0 + rows])
         c0 += rows
     host_windows.remember_row_ends(out, win.row_hi)  # the sparse backward sizes its dense products from these
+    if lse is not None:  # the indexer KL's softmax normaliser (ops/triton_kl.py)
+        host_windows.remember_selected_lse(out, lse, q_idx, k_idx, weights, softmax_scale)
     return out
 
 
@@ -126,17 +182,17 @@ def indexer_topk(q_idx, k_idx, weights, topk, key_start, query_end, softmax_scal
     if d_i & (d_i - 1):
         raise ValueError(f"triton indexer_topk needs a power-of-two index head dim (got {d_i}); use --attn torch")
     cfg = dict(CONFIG, **(config or {}))
-    q_idx, k_idx, weights = q_idx.contiguous(), k_idx.contiguous(), weights.contiguous()
+    qc, kc, wc = q_idx.contiguous(), k_idx.contiguous(), weights.contiguous()
     tile = cfg["BLOCK_N"] * cfg["N_ITERS"]
     block_h = max(16, triton.next_power_of_2(n_heads))
 
     def score_keys(c0, rows, lo, width, ks, qe, keys):
         _score_keys_kernel[(rows, triton.cdiv(width, tile))](
-            q_idx, k_idx, weights, ks, qe, keys,
-            q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), keys.stride(0),
+            qc, kc, wc, ks, qe, keys,
+            qc.stride(0), qc.stride(1), kc.stride(0), wc.stride(0), keys.stride(0),
             c0, lo, width, n_heads, float(softmax_scale),
             DI=d_i, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], N_ITERS=cfg["N_ITERS"],
-            IEEE=q_idx.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            IEEE=qc.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
 
-    return chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys)
+    return chunked_topk(q_idx, k_idx, weights, topk, key_start, query_end, score_keys, softmax_scale)

@@ -9,15 +9,17 @@ Two kernels, one program per query token each; nothing of size [T, h, K] or [T, 
   ``head_sum_reduce`` (the TP all-reduce over head shards) is applied to the whole [T, K] tensor, once.
 * ``_indexer_kl_kernel`` -- the indexer side, fused: pass 1 gathers the selected index keys, forms the logits
   z_j = sum_h w_h relu(idx_scale * q_idx[t, h] . k_idx[j]) and their log-sum-exp (and sums P for the target's
-  normalisation); both passes stop after the query's last used slot (``KL_CONFIG["SKIP_PAD"]``: P is 0 on unused
-  slots; not with the deterministic per-slot rows); pass 2 recomputes z, adds the token's KL(target ||
-  softmax(z)) and, when gradients are needed,
-  g = softmax(z) - target, dw = sum_j g_j relu(a_hj), da = g w (a > 0) idx_scale, dq_idx = da . K, and dk_idx rows
-  += da^T q_idx, by ``KL_CONFIG["DK"]``: "dense" -- the kernel scatters da into a zeroed [keys, (query, head)]
-  matrix per chunk of query rows (keys below the chunk's end, from the host row bounds the indexer left for the
-  top-k tensor, ``host_windows.row_ends``) and one cuBLAS GEMM with an fp32 result contracts it with the chunk's
-  q_idx: deterministic, no atomics; "atomic" -- fp32 atomics, or (deterministic mode) per-(token, slot) rows reduced
-  by key in a fixed order with the sparse-MLA backward's segmented sum.  "auto" (default): "dense" in deterministic
+  normalisation) -- or, when our indexer built the top-k list from these very inputs, takes that log-sum-exp from
+  it (``KL_CONFIG["INDEXER_LSE"]``: ``triton_indexer`` decodes it from the sorted scores, ``host_windows`` keeps it
+  under the list) and the normaliser from one sum, and skips pass 1; both passes stop after the query's last used
+  slot (``KL_CONFIG["SKIP_PAD"]``: P is 0 on unused slots; not with the deterministic per-slot rows); pass 2
+  recomputes z, adds the token's KL(target || softmax(z)) and, when gradients are needed, g = softmax(z) -
+  target, dw = sum_j g_j relu(a_hj), da = g w (a > 0) idx_scale, dq_idx = da . K, and dk_idx rows += da^T q_idx, by
+  ``KL_CONFIG["DK"]``: "dense" -- the kernel scatters da into a zeroed [keys, (query, head)] matrix per chunk of
+  query rows (keys below the chunk's end, from the host row bounds the indexer left for the top-k tensor,
+  ``host_windows.row_ends``) and one cuBLAS GEMM with an fp32 result contracts it with the chunk's q_idx:
+  deterministic, no atomics; "atomic" -- fp32 atomics, or (deterministic mode) per-(token, slot) rows reduced by
+  key in a fixed order with the sparse-MLA backward's segmented sum.  "auto" (default): "dense" in deterministic
   mode when the bounds are known and n_keys <= DENSE_KEY_RATIO["deterministic"] x top-k, else "atomic".  H200,
   causal, GLM-5's indexer (``benchmarks/fusions.py --parts indexer_kl``, docs/performance.md, session 10): S 4096
   atomic 3.31 / dense 3.35 ms in atomic mode, deterministic rows 5.83 / dense 3.30; S 32768 23.7 / 40.6 and
@@ -56,7 +58,10 @@ PROB_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)  # 3.40 ms at S 4096 (
 # contiguous key tiles (triton_kl_tiles: every key below a chunk's end on the tensor cores, no gathers, no atomics;
 # needs the indexer's host row bounds) -- measured slower at S 4096 (H100, 2026-12-07: 3.18-3.74 vs 2.59-2.65 ms
 # atomic / 2.82 deterministic), so not the default
-KL_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3, DK="auto", DENSE_ROWS=1024, SKIP_PAD=True, FORM="slots")
+# INDEXER_LSE: take the logits' log-sum-exp that the indexer remembered under the top-k list
+# (host_windows.selected_lse: the same q_idx, k_idx, weights and scale) instead of the kernel's first pass
+KL_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3, DK="auto", DENSE_ROWS=1024, SKIP_PAD=True, FORM="slots",
+                 INDEXER_LSE=True)
 KL_FALLBACK = dict(BLOCK_N=32, num_warps=4, num_stages=1)
 
 
@@ -147,14 +152,16 @@ def _index_logits_block(IDX_ROW, KI, stride_kit, slot, topk, n_keys, offs_d, qi,
 
 @triton.jit
 def _indexer_kl_kernel(
-    QI, KI, W, IDX, P, CNT, KL, DQI, DW, DKI, BUF, G, ENDS,
+    QI, KI, W, IDX, P, CNT, KL, DQI, DW, DKI, BUF, G, ENDS, LSE, TOTAL,
     stride_qit, stride_qih, stride_kit, stride_wt, stride_it, stride_pt,
     t0, n_heads, n_keys, topk, scale, g_stride, key_end,
     DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NEED_GRAD: tl.constexpr, ATOMIC: tl.constexpr,
-    DENSE: tl.constexpr, IEEE: tl.constexpr, SKIP_PAD: tl.constexpr,
+    DENSE: tl.constexpr, IEEE: tl.constexpr, SKIP_PAD: tl.constexpr, LSE_GIVEN: tl.constexpr,
 ):
     """SKIP_PAD: both passes stop after the query's last used slot (ENDS[t]; the slots after it are unused: no
-    logit, P 0 there by the contract, no gradient) -- not with per-slot BUF rows, which must all be written."""
+    logit, P 0 there by the contract, no gradient) -- not with per-slot BUF rows, which must all be written.
+    LSE_GIVEN: the logits' log-sum-exp (LSE[t], from the indexer) and the target's normaliser (TOTAL[t]) are given,
+    so pass 1 is skipped."""
     tl_ = tl.program_id(0).to(tl.int64)  # row inside this launch's query range
     t = t0 + tl_
     offs_h = tl.arange(0, BLOCK_H)
@@ -168,20 +175,24 @@ def _indexer_kl_kernel(
     p_row = P + t * stride_pt
     n_end = tl.load(ENDS + t) if SKIP_PAD else topk
 
-    # pass 1: log-sum-exp of the indexer logits, and the target's normaliser
-    m_i = float("-inf")
-    l_i = 0.0
-    total = 0.0
-    for n0 in range(0, n_end, BLOCK_N):
-        slot = n0 + offs_n
-        idx, ok, k, a, z = _index_logits_block(idx_row, KI, stride_kit, slot, topk, n_keys, offs_d, qi, w, scale,
-                                               BLOCK_H, BLOCK_N, IEEE)
-        m_new = tl.maximum(m_i, tl.max(z, axis=0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(z - m_use), axis=0)
-        m_i = m_new
-        total += tl.sum(tl.load(p_row + slot, mask=slot < topk, other=0.0), axis=0)  # P is 0 on unused slots
-    lse_z = m_i + tl.log(tl.where(l_i > 0, l_i, 1.0))
+    # pass 1: log-sum-exp of the indexer logits, and the target's normaliser (given: no pass)
+    if LSE_GIVEN:
+        lse_z = tl.load(LSE + t)
+        total = tl.load(TOTAL + t)
+    else:
+        m_i = float("-inf")
+        l_i = 0.0
+        total = 0.0
+        for n0 in range(0, n_end, BLOCK_N):
+            slot = n0 + offs_n
+            idx, ok, k, a, z = _index_logits_block(idx_row, KI, stride_kit, slot, topk, n_keys, offs_d, qi, w, scale,
+                                                   BLOCK_H, BLOCK_N, IEEE)
+            m_new = tl.maximum(m_i, tl.max(z, axis=0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_i = l_i * tl.exp(m_i - m_use) + tl.sum(tl.exp(z - m_use), axis=0)
+            m_i = m_new
+            total += tl.sum(tl.load(p_row + slot, mask=slot < topk, other=0.0), axis=0)  # P is 0 on unused slots
+        lse_z = m_i + tl.log(tl.where(l_i > 0, l_i, 1.0))
     total = tl.where(total > 0, total, 1.0)
 
     # pass 2: KL and gradients
@@ -247,6 +258,7 @@ def _tiles_form(cfg: dict, row_hi) -> bool:
 def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, need_grad, deterministic, config):
     """(per-token KL [T] fp32, d_q_idx, d_k_idx, d_w fp32 or None)."""
     row_hi = host_windows.row_ends(indices)
+    lse_z = host_windows.selected_lse(indices, q_idx, k_idx, weights, idx_scale)
     q_idx, k_idx, indices = q_idx.detach().contiguous(), k_idx.detach().contiguous(), indices.contiguous()
     weights = weights.detach().contiguous()
     n_q, n_heads, d_i = q_idx.shape
@@ -286,6 +298,8 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
         g_buf = kl  # an unused pointer
     buf = torch.empty(rows * topk, d_i, dtype=torch.float32, device=dev) if det else kl
     dummy = kl
+    lse_given = lse_z is not None and bool(cfg0.get("INDEXER_LSE", True))
+    total = head_sums.sum(-1) if lse_given else kl  # the target's normaliser (P is 0 on unused slots)
     skip = bool(cfg0.get("SKIP_PAD", True)) and not det  # per-slot rows (deterministic, not dense): every slot
     slot_ends = used_slot_ends(indices, n_keys) if skip else kl
     configs = [cfg0] + ([dict(cfg0, **KL_FALLBACK)] if config is None else [])
@@ -300,11 +314,12 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
                 _indexer_kl_kernel[(n,)](
                     q_idx, k_idx, weights, indices, head_sums, cnt, kl,
                     d_qi if need_grad else dummy, d_w if need_grad else dummy, d_ki if need_grad else dummy, buf,
-                    g_buf, slot_ends, q_idx.stride(0), q_idx.stride(1), k_idx.stride(0), weights.stride(0), indices.stride(0),
-                    head_sums.stride(0), t0, n_heads, n_keys, topk, float(idx_scale), n * n_heads, key_end,
+                    g_buf, slot_ends, lse_z if lse_given else kl, total, q_idx.stride(0), q_idx.stride(1),
+                    k_idx.stride(0), weights.stride(0), indices.stride(0), head_sums.stride(0), t0,
+                    n_heads, n_keys, topk, float(idx_scale), n * n_heads, key_end,
                     DI=d_i, BLOCK_H=_block_h(n_heads), BLOCK_N=cfg["BLOCK_N"], NEED_GRAD=need_grad, ATOMIC=not det,
-                    DENSE=dense, IEEE=q_idx.dtype == torch.float32, SKIP_PAD=skip, num_warps=cfg["num_warps"],
-                    num_stages=cfg["num_stages"],
+                    DENSE=dense, IEEE=q_idx.dtype == torch.float32, SKIP_PAD=skip, LSE_GIVEN=lse_given,
+                    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                 )
                 if dense and key_end > 0:
                     d_ki[:key_end] += _mm_fp32(g_buf[:key_end * n * n_heads].view(key_end, n * n_heads),
