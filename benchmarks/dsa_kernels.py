@@ -62,7 +62,8 @@ DENSE_SWEEP = [
 # the backward variants timed side by side in one run (overrides of tsm.BWD_CONFIG, or the name of one of its
 # configurations): the default (DK "auto"), each dk formulation, "slots" without the padding skip, and the previous
 # one-kernel backward (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
-BWD_VARIANTS = {"auto": {}, "auto-memsets-in-order": dict(ZERO_AHEAD=False), "slots": dict(DK="slots"),
+BWD_VARIANTS = {"auto": {}, "auto-memsets-in-order": dict(ZERO_AHEAD=False),
+                "auto-kept-zero": dict(ZEROS="restore"), "slots": dict(DK="slots"),
                 "dense": dict(DK="dense"),
                 "dense-triton-dkv": dict(DK="dense", DENSE_DKV="triton"),
                 "dense-dq-in-kernel": dict(DK="dense", DENSE_DQ=False),
@@ -202,6 +203,9 @@ def _dense_bwd_rows(p, out, lse, reps, add):
                 (True, ", head sums", hs, None)]
     # the next chunk's memset in stream order instead of on a side stream (DensePlan's ZERO_AHEAD: before / after)
     variants += [(det, ", head sums, memsets in stream order", hs, dict(ZERO_AHEAD=False)) for det in (False, True)]
+    # no memsets: one buffer kept zero, the written entries zeroed again after each chunk (DensePlan's ZEROS)
+    variants += [(det, ", head sums, kept zero (written entries restored)", hs, dict(ZEROS="restore"))
+                 for det in (False, True)]
     if p.seq <= 8192:  # query chunks of the dense formulation; the scattered stores' cost (a diagnostic)
         variants += [(False, f", head sums, {r}-row chunks", hs, dict(DENSE_ROWS=r)) for r in (512, 256)]
         variants += [(False, ", head sums, every step (causal padding computed)", hs, dict(bounded=False)),

@@ -39,6 +39,22 @@ from megatron_glm5.config import GLM5Config  # noqa: E402
 from megatron_glm5.training.flops import training_flops_per_token  # noqa: E402
 
 
+def config_overrides(items, config: dict, flag: str) -> dict:
+    """KEY=VALUE strings as a dict of overrides of ``config``'s keys (VALUE a Python literal, else a string)."""
+    import ast
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in config:
+            raise SystemExit(f"{flag}: expected KEY=VALUE with KEY one of {sorted(config)}, got {item!r}")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
 def proxy_config(preset: str, layers: int, dense: int) -> GLM5Config:
     cfg = GLM5Config.from_preset(preset)
     return cfg.replace(num_hidden_layers=layers, first_k_dense_replace=dense, num_nextn_predict_layers=0)
@@ -136,7 +152,8 @@ CATEGORIES = (
     ("grouped experts", ("grouped", "groupproblemshape", "group_gemm", "ptrarray")),
     ("GEMMs", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "splitk", "sm90_", "sm80_", "ampere_")),
     ("elementwise", ("triton_poi_", "triton_red_", "triton_per_")),
-    ("copies", ("copy", "cat", "memcpy", "memset", "fill", "index", "gather", "scatter", "transpose", "pad")),
+    ("copies", ("_restore_zeros_kernel", "copy", "cat", "memcpy", "memset", "fill", "index", "gather", "scatter",
+                "transpose", "pad")),
     ("elementwise", ("elementwise", "reduce", "softmax", "norm", "sort", "topk", "radix", "bitonic", "scan",
                      "triton_")),
 )
@@ -382,7 +399,17 @@ def main(argv=None) -> int:
                    help="with --profile: write the profiled step's timeline to DIR/trace_<impl>.json.gz")
     p.add_argument("--sync-debug", action="store_true",
                    help="after timing, list where one more step of each impl synchronises the host with the GPU")
+    p.add_argument("--bwd-config", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides of ops/triton_sparse_mla.BWD_CONFIG for our runs (e.g. ZEROS=restore: the dense "
+                        "backward's plan, both --attn triton and tilelang)")
+    p.add_argument("--kl-config", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides of ops/triton_kl.KL_CONFIG for our runs (e.g. INDEXER_LSE=False)")
     args = p.parse_args(argv)
+    if args.bwd_config or args.kl_config:
+        from megatron_glm5.ops import triton_kl, triton_sparse_mla
+        triton_sparse_mla.BWD_CONFIG.update(config_overrides(args.bwd_config, triton_sparse_mla.BWD_CONFIG,
+                                                             "--bwd-config"))
+        triton_kl.KL_CONFIG.update(config_overrides(args.kl_config, triton_kl.KL_CONFIG, "--kl-config"))
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

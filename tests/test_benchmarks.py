@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megatron_glm5.config import GLM5Config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -112,7 +114,22 @@ def test_profile_categories_of_our_kernel_names():
 
     assert kernel_category("_swiglu_bwd_kernel") == kernel_category("_swiglu_fwd_kernel") == "elementwise"
     assert kernel_category("_bwd_kernel") == kernel_category("sparse_mla_pds_ws_kernel_kernel") == "sparse attention"
-    assert kernel_category("_indexer_kl_kernel") == "KL"
+    assert kernel_category("_indexer_kl_kernel") == kernel_category("_selected_lse_kernel") == "KL"
+    assert kernel_category("_restore_zeros_kernel") == "copies"  # the kept-zero buffer's zeroing, as the memsets
     assert kernel_category("triton_poi_fused_add_cat_0") == "elementwise"
     assert kernel_category("void at::native::vectorized_elementwise_kernel<8, FillFunctor>") == "copies"  # memsets
     assert kernel_category("nvjet_sm90_tst_256x128") == "GEMMs"
+
+
+def test_proxy_step_config_overrides():
+    """--bwd-config / --kl-config KEY=VALUE: Python literals, else strings; unknown keys and missing '=' stop with
+    the flag named."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from proxy_step import config_overrides
+
+    cfg = dict(ZEROS="memset", ZERO_AHEAD=True, DENSE_ROWS=None)
+    assert config_overrides(["ZEROS=restore", "ZERO_AHEAD=False", "DENSE_ROWS=512"], cfg, "--bwd-config") == dict(
+        ZEROS="restore", ZERO_AHEAD=False, DENSE_ROWS=512)
+    for bad in ("ZEROS", "NOPE=1"):
+        with pytest.raises(SystemExit, match="--bwd-config: expected KEY=VALUE"):
+            config_overrides([bad], cfg, "--bwd-config")

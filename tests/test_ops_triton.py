@@ -52,7 +52,8 @@ MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("p
                 ("empty_rows", False, "slots_no_skip"), ("cp", True, "slots_chunked"), ("cp", False, "dense_chunked"),
                 ("cp", True, "dense_chunked"), ("packed", True, "dense_chunked_split1"),
                 ("cp", False, "dense_chunked_split3"), ("empty_rows", False, "dense_host_bounds"),
-                ("cp", True, "dense_chunked_host_bounds")]
+                ("cp", True, "dense_chunked_host_bounds"), ("empty_rows", True, "dense_host_bounds_restore"),
+                ("cp", False, "dense_chunked_host_bounds_restore"), ("packed", True, "dense_host_bounds_restore")]
 # indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block, form / d_k_idx path); top-k 8 / 16
 # / 12 below, so block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12). Paths
 # (tests/triton_interp_runner.KL_DK): "auto" without host row bounds (slot form: atomics / deterministic rows),
@@ -163,9 +164,13 @@ def test_interp_sparse_mla_bwd_variants(interp, name, deterministic, variant):
     cases, res = interp
     want = _ref_mla(cases[f"mla_{name}"])
     got = res[f"mla_{name}"][deterministic, variant]
-    for key in ("dq", "dkv"):
-        assert torch.isfinite(got[key]).all(), key
-        torch.testing.assert_close(got[key].to(F64), want[key], rtol=1e-4, atol=1e-4, msg=key)
+    for run in (got["first"], got):
+        for key in ("dq", "dkv"):
+            assert torch.isfinite(run[key]).all(), key
+            torch.testing.assert_close(run[key].to(F64), want[key], rtol=1e-4, atol=1e-4, msg=key)
+    if variant.endswith("restore"):  # the kept buffer: all zero and clean after each backward
+        for run in (got["first"], got):
+            assert run["kept"] and all(zero and not dirty for zero, dirty in run["kept"]), run["kept"]
 
 
 @needs_triton
@@ -412,7 +417,10 @@ def dense_zero_ahead_runs(backward, rows: int = 256):
     """The dense formulation's gradients with and without ZERO_AHEAD (the next chunk's buffer zeroed on a side
     stream; triton_sparse_mla.DensePlan) at S 4096 causal with ``rows``-row chunks, the indexer's host row bounds
     given: backward(problem, idx, config) -> (dq, dkv[, ...]). Both must equal bitwise: the same kernels and GEMMs in the
-    same order, only where the memsets run differs; a memset racing a chunk's kernel or GEMMs would show."""
+    same order, only where the memsets run differs; a memset racing a chunk's kernel or GEMMs would show.
+    Then ZEROS "restore" (one buffer kept zero, only the written entries zeroed again after each chunk): after a
+    backward of another problem (other keys, packed documents) on that buffer, twice on this one -- bitwise the
+    memset path's, and the kept buffer all zero and clean after each."""
     from megatron_glm5.ops import host_windows
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -431,6 +439,43 @@ def dense_zero_ahead_runs(backward, rows: int = 256):
         assert torch.equal(a, b)
     dq, dkv = got[True][0][:2]
     assert rel_l2(dq, pr.dq) <= 1e-2 and rel_l2(dkv, pr.dkv) <= 1e-2, (rel_l2(dq, pr.dq), rel_l2(dkv, pr.dkv))
+    other = gpu_sparse_problem("packed", seed=7)
+    idx_o = other.idx.clone()
+    host_windows.remember_row_ends(idx_o, idx_o.max(1).values.long().cpu())
+    cfg = dict(DENSE_ROWS=rows, ZEROS="restore")
+    for prob, ix in ((other, idx_o), (pr, idx), (pr, idx)):
+        plan = tsm.dense_plan(prob.q, prob.kv, ix, None, cfg)
+        assert plan is not None and plan.indices is not None and not plan.ahead
+        res = backward(prob, ix, cfg)
+        kept = [(bool(t.eq(0).all()), dirty) for t, dirty in tsm._kept_zero.buffers.values()]
+        assert kept and all(zero and not dirty for zero, dirty in kept), kept
+    for a, b in zip(got[False][0], res):
+        assert torch.equal(a, b)
+
+
+@needs_triton
+def test_kept_zero_buffer_is_zeroed_again_after_a_plan_that_failed_midway():
+    """ZEROS "restore"'s kept buffer: reused while clean; grown as a fresh zero buffer; a plan that set it dirty
+    (its kernel may have written) and never restored it -- an exception between -- is zeroed in full by the next."""
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    kept = tsm._KeptZero()
+    entry = kept.take(8, torch.float32, "cpu")
+    assert entry[0].eq(0).all() and not entry[1]
+    assert kept.take(6, torch.float32, "cpu") is entry  # large enough: the same
+    entry[0][3] = 5.0
+    entry[1] = True  # a plan's kernel wrote; its restore never ran
+    again = kept.take(8, torch.float32, "cpu")
+    assert again is entry and again[0].eq(0).all() and not again[1]
+    bigger = kept.take(16, torch.float32, "cpu")
+    assert bigger[0].numel() == 16 and bigger[0].eq(0).all() and len(kept.buffers) == 1
+    kept.release()
+    assert not kept.buffers
+    with pytest.raises(ValueError, match="unknown ZEROS 'sometimes'"):
+        host_idx = torch.zeros(4, 2, dtype=torch.int32)
+        from megatron_glm5.ops import host_windows
+        host_windows.remember_row_ends(host_idx, torch.zeros(4, dtype=torch.int64))
+        tsm.dense_plan(torch.zeros(4, 2, 8), torch.zeros(4, 8), host_idx, None, dict(DK="dense", ZEROS="sometimes"))
 
 
 @gpu

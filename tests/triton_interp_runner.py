@@ -26,7 +26,9 @@ MLA_VARIANTS = {"one_kernel": dict(DK="in_kernel", SKIP_PAD=False), "slots": dic
                 "slots_chunked": dict(DK="slots"), "dense_chunked": dict(DK="dense"),
                 "dense_chunked_split1": dict(DK="dense", DENSE_SPLIT=1),
                 "dense_chunked_split3": dict(DK="dense", DENSE_SPLIT=3),
-                "dense_host_bounds": dict(DK="dense"), "dense_chunked_host_bounds": dict(DK="dense")}
+                "dense_host_bounds": dict(DK="dense"), "dense_chunked_host_bounds": dict(DK="dense"),
+                "dense_host_bounds_restore": dict(DK="dense", ZEROS="restore"),
+                "dense_chunked_host_bounds_restore": dict(DK="dense", ZEROS="restore")}
 
 
 def run_mla(c):
@@ -50,13 +52,19 @@ def run_mla(c):
             indices = indices.clone()
             bound = (indices.max(1).values.long() + 2).clamp(max=kv.shape[0] - 1)
             host_windows.remember_row_ends(indices, torch.where(indices.max(1).values >= 0, bound, -1))
-        out, lse = triton_sparse_mla.sparse_mla(q, kv, indices, c["scale"], c["d_v"], deterministic=det)
-        loss = (out * c["d_out"]).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * c["d_lse"]).sum()
-        loss.backward()
+        # "restore": the kept buffer must be all zero again after each backward, so a second backward (on it)
+        # gives the same gradients; both are compared with the reference
+        runs = []
+        for _ in range(2 if variant and variant.endswith("restore") else 1):
+            q.grad = kv.grad = None
+            out, lse = triton_sparse_mla.sparse_mla(q, kv, indices, c["scale"], c["d_v"], deterministic=det)
+            loss = (out * c["d_out"]).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * c["d_lse"]).sum()
+            loss.backward()
+            kept = [(bool(t.eq(0).all()), dirty) for t, dirty in triton_sparse_mla._kept_zero.buffers.values()]
+            runs.append(dict(out=out.detach(), lse=lse.detach(), dq=q.grad.clone(), dkv=kv.grad.clone(), kept=kept))
         triton_sparse_mla.BWD_CONFIG.update(default)
         triton_sparse_mla.DET_BUFFER_BYTES, triton_sparse_mla.PDS_BUFFER_BYTES = budgets
-        res[det if variant is None else (det, variant)] = dict(out=out.detach(), lse=lse.detach(), dq=q.grad.clone(),
-                                                               dkv=kv.grad.clone())
+        res[det if variant is None else (det, variant)] = dict(runs[-1], first=runs[0])
     return res
 
 

@@ -91,13 +91,17 @@ FWD_CONFIG = dict(BLOCK_N=64, V_SPLIT=1, num_warps=8, num_stages=2)
 BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", SKIP_PAD=True,
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
                   DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128,
-                  DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3, ZERO_AHEAD=True)
+                  DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3, ZERO_AHEAD=True,
+                  ZEROS="memset")
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
 # _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
 # chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_ROWS: at
 # most this many query rows per chunk (None: as many as PDS_BUFFER_BYTES holds).  DENSE_*: the kernel's block shape.
 # ZERO_AHEAD (cuBLAS products on a GPU, two chunks or more): two chunk buffers, the next chunk's zeroed on a side
-# stream while this one's kernel and GEMMs run (DensePlan), instead of a memset between them
+# stream while this one's kernel and GEMMs run (DensePlan), instead of a memset between them.  ZEROS (the same
+# plans): "memset" -- each chunk's matrices zeroed before its kernel (ZERO_AHEAD's way); "restore" -- one buffer per
+# (device, dtype, stream) kept zero between backwards: after a chunk's GEMMs, _restore_zeros_kernel zeroes only the
+# entries its kernel wrote (the selected keys' rows), so nothing is zeroed that was not written (DensePlan)
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
@@ -574,6 +578,58 @@ def _dense_dkv_mm(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v):
     dkv[:kc, :d_v] += _mm_fp32(p, doc)
 
 
+@triton.jit
+def _restore_zeros_kernel(IDX, PDS, stride_it, t0, kc, topk, dense_cols, p_off, n_heads,
+                          BLOCK_S: tl.constexpr, HP: tl.constexpr):
+    """Zero chunk row r's entries of the [kc, rows x heads] dS and P matrices (P at p_off) at its selected keys:
+    exactly where the backward's kernel scattered them (the keys are distinct per row; -1 and keys >= kc skipped)."""
+    r = tl.program_id(0).to(tl.int64)
+    slot = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    idx = tl.load(IDX + (t0 + r) * stride_it + slot, mask=slot < topk, other=-1).to(tl.int64)
+    ok = (idx >= 0) & (idx < kc)
+    offs_h = tl.arange(0, HP)
+    ptr = PDS + tl.where(ok, idx, 0)[:, None] * dense_cols + r * n_heads + offs_h[None, :]
+    m = ok[:, None] & (offs_h < n_heads)[None, :]
+    zero = tl.zeros([BLOCK_S, HP], PDS.dtype.element_ty)
+    tl.store(ptr, zero, mask=m)
+    tl.store(ptr + p_off, zero, mask=m)
+
+
+class _KeptZero:
+    """The buffers that ZEROS "restore" keeps all-zero between backwards: one per (device, dtype, stream), grown
+    (a fresh torch.zeros) when a plan needs more, never shrunk; ``dirty`` while a plan's kernel may have written
+    entries that its restore has not zeroed yet -- a plan that failed in between (an exception on the host) leaves it
+    set, and the next plan zeroes the whole buffer first."""
+
+    def __init__(self):
+        self.buffers: dict = {}  # (device, dtype, stream) -> [tensor, dirty]
+
+    def take(self, size: int, dtype: torch.dtype, device) -> list:
+        device = torch.device(device)
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (str(device), dtype, stream)
+        entry = self.buffers.get(key)
+        if entry is None or entry[0].numel() < size:
+            self.buffers.pop(key, None)  # the old one freed before the larger one is allocated
+            entry = self.buffers[key] = [torch.zeros(size, dtype=dtype, device=device), False]
+        elif entry[1]:
+            entry[0].zero_()
+            entry[1] = False
+        return entry
+
+    def release(self) -> None:
+        self.buffers.clear()
+
+
+_kept_zero = _KeptZero()
+
+
+def release_kept_zero_buffers() -> None:
+    """Free the buffers that BWD_CONFIG ZEROS "restore" keeps between backwards (the next backward allocates
+    again)."""
+    _kept_zero.release()
+
+
 class DensePlan:
     """The "dense" formulation with host-known key ends: query chunks of ``rows`` (chunk i starts at starts[i],
     its keys all below key_ends[i]) and the buffers for the [key, query x head] dS and P matrices of a chunk (P at
@@ -585,16 +641,27 @@ class DensePlan:
     work issued before views(i) (chunk i - 1's GEMMs, its last reader) is done, so the memset overlaps chunk i's
     kernel and GEMMs; views(i) makes the current stream wait for chunk i's zeroing.  Every side-stream memset is
     waited for by the current stream before the buffers' next use and before the plan's end, so the caching
-    allocator may hand the buffers on as usual.  Without it: one buffer, zeroed in stream order."""
+    allocator may hand the buffers on as usual.  Without it: one buffer, zeroed in stream order.
+
+    ``restore`` (the top-k list whose entries the kernels scatter; BWD_CONFIG ZEROS "restore"): one buffer kept
+    zero between backwards (``_KeptZero``, per device, dtype and stream); views(i) zeroes nothing, and
+    products(...) ends chunk i by zeroing the entries at its rows' selected keys again (``_restore_zeros_kernel``,
+    in stream order after the GEMMs that read them) -- the written entries only, not the whole matrices."""
 
     def __init__(self, n_q: int, h: int, rows: int, key_ends: list, dtype: torch.dtype, device,
-                 zero_ahead: bool = False):
+                 zero_ahead: bool = False, restore: Optional[torch.Tensor] = None):
         self.n_q, self.h, self.rows, self.key_ends = n_q, h, rows, key_ends
         self.starts = list(range(0, n_q, rows))
         self.p_off = max(key_ends, default=0) * rows * h
-        self.ahead = bool(zero_ahead) and torch.device(device).type == "cuda" and len(self.starts) > 1
+        self.indices = restore
+        self.ahead = (restore is None and bool(zero_ahead) and torch.device(device).type == "cuda"
+                      and len(self.starts) > 1)
         size = max(1, 2 * self.p_off)
-        self.buffers = [torch.empty(size, dtype=dtype, device=device) for _ in range(2 if self.ahead else 1)]
+        if restore is not None:
+            self._kept = _kept_zero.take(size, dtype, device)
+            self.buffers = [self._kept[0]]
+        else:
+            self.buffers = [torch.empty(size, dtype=dtype, device=device) for _ in range(2 if self.ahead else 1)]
         self._side = torch.cuda.Stream(device) if self.ahead else None
         self._zeroed = {}  # chunk -> the side stream's event after zeroing it
 
@@ -613,7 +680,9 @@ class DensePlan:
         t0, kc = self.starts[i], self.key_ends[i]
         n = min(self.rows, self.n_q - t0)
         ds, p = self._region(i)
-        if self.ahead:
+        if self.indices is not None:  # kept zero: the kernel may now write entries not yet restored
+            self._kept[1] = True
+        elif self.ahead:
             main = torch.cuda.current_stream(ds.device)
             if i + 1 < len(self.starts):  # the next chunk's buffer: chunk i - 1's, whose GEMMs are issued
                 done = main.record_event()
@@ -644,6 +713,19 @@ class DensePlan:
             _dense_dkv_mm(dkv, buf, self.p_off, kc, n, self.h, q, d_out, t0, d_v)
         if with_dq:
             dense_dq_mm(dq, buf, kc, n, self.h, kv, t0)
+        if self.indices is not None:
+            self._restore(buf, kc, n, t0)
+
+    def _restore(self, buf, kc: int, n: int, t0: int) -> None:
+        """Zero again the entries chunk (t0, n)'s kernel wrote: at each row's selected keys below kc."""
+        topk = self.indices.shape[1]
+        if kc > 0 and topk > 0:
+            block_s = min(64, max(16, triton.next_power_of_2(topk)))
+            _restore_zeros_kernel[(n, triton.cdiv(topk, block_s))](
+                self.indices, buf, self.indices.stride(0), t0, kc, topk, n * self.h, self.p_off, self.h,
+                BLOCK_S=block_s, HP=max(16, triton.next_power_of_2(self.h)), num_warps=4)
+        if t0 + n >= self.n_q:  # the plan's last chunk: the buffer is all zero again
+            self._kept[1] = False
 
 
 def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Optional[dict] = None,
@@ -661,7 +743,11 @@ def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Opt
         return None
     rows = _dense_rows(n_q, n_keys, h, q.element_size(), cfg)
     ends = _host_chunk_key_ends(row_hi, range(0, n_q, rows), rows, n_keys)
-    return DensePlan(n_q, h, rows, ends, q.dtype, q.device, zero_ahead=bool(cfg.get("ZERO_AHEAD", False)))
+    zeros = cfg.get("ZEROS", "memset")
+    if zeros not in ("memset", "restore"):
+        raise ValueError(f"triton sparse_mla_bwd: unknown ZEROS {zeros!r} (memset, restore)")
+    return DensePlan(n_q, h, rows, ends, q.dtype, q.device, zero_ahead=bool(cfg.get("ZERO_AHEAD", False)),
+                     restore=indices.contiguous() if zeros == "restore" else None)
 
 
 def dense_dq_mm(dq, pds, kc, n, h, kv, t0):
