@@ -12,7 +12,7 @@ of early tokens, as FlashMLA / TileLang count); backward = 2.5 x forward.  The i
 --sweep first times several block configurations of the forward and backward kernels at S = --sweep-seq and uses
 the fastest for the table.  The backward rows cover each variant of BWD_VARIANTS (the default "auto", each dk
 formulation of triton_sparse_mla, the earlier one-kernel backward) in both dkv modes, in the same run;
---bwd-only keeps just the sparse MLA forward and backward rows (and the backward's sweep).
+--bwd-only keeps just the sparse MLA forward and backward rows, ours in TileLang included (and the backward's sweep).
 MoE rows (--moe-tokens, default 4096 16384): our fused token permute + unpermute (ops/triton_moe_permute.py)
 against megatron-core's unfused ops, forward and forward + backward, GB/s of hidden-row traffic.
 """
@@ -62,8 +62,9 @@ DENSE_SWEEP = [
 # the backward variants timed side by side in one run (overrides of tsm.BWD_CONFIG, or the name of one of its
 # configurations): the default (DK "auto"), each dk formulation, "slots" without the padding skip, and the previous
 # one-kernel backward (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
-BWD_VARIANTS = {"auto": {}, "auto-memsets-in-order": dict(ZERO_AHEAD=False),
-                "auto-kept-zero": dict(ZEROS="restore"), "slots": dict(DK="slots"),
+BWD_VARIANTS = {"auto": {}, "auto-memsets-in-order": dict(ZERO_AHEAD=False, ZEROS="memset"),
+                "auto-memsets": dict(ZEROS="memset"), "auto-kept-zero": dict(ZEROS="restore"),
+                "slots": dict(DK="slots"),
                 "dense": dict(DK="dense"),
                 "dense-triton-dkv": dict(DK="dense", DENSE_DKV="triton"),
                 "dense-dq-in-kernel": dict(DK="dense", DENSE_DQ=False),
@@ -202,10 +203,12 @@ def _dense_bwd_rows(p, out, lse, reps, add):
     variants = [(False, "", None, None), (False, ", head sums", hs, None), (True, "", None, None),
                 (True, ", head sums", hs, None)]
     # the next chunk's memset in stream order instead of on a side stream (DensePlan's ZERO_AHEAD: before / after)
-    variants += [(det, ", head sums, memsets in stream order", hs, dict(ZERO_AHEAD=False)) for det in (False, True)]
-    # no memsets: one buffer kept zero, the written entries zeroed again after each chunk (DensePlan's ZEROS)
-    variants += [(det, ", head sums, kept zero (written entries restored)", hs, dict(ZEROS="restore"))
+    variants += [(det, ", head sums, memsets in stream order", hs, dict(ZERO_AHEAD=False, ZEROS="memset"))
                  for det in (False, True)]
+    # DensePlan's ZEROS (the default "auto" picks by n_keys / top-k): memsets (on a side stream), or no memsets --
+    # one buffer kept zero, the written entries zeroed again after each chunk
+    variants += [(det, f", head sums, ZEROS {z}", hs, dict(ZEROS=z)) for det in (False, True)
+                 for z in ("memset", "restore")]
     if p.seq <= 8192:  # query chunks of the dense formulation; the scattered stores' cost (a diagnostic)
         variants += [(False, f", head sums, {r}-row chunks", hs, dict(DENSE_ROWS=r)) for r in (512, 256)]
         variants += [(False, ", head sums, every step (causal padding computed)", hs, dict(bounded=False)),
@@ -293,8 +296,15 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             run()
             add(label.format(suffix), timed(run, p.refill, n_reps), flop)
 
-    if bwd_only:  # the sparse MLA rows alone: the forward, then every backward variant
-        _fwd_bwd_rows(p, reps, add, tsm, bwd_variants, baseline)
+    if bwd_only:  # the sparse MLA rows alone: the forward, then every backward variant (ours in TileLang too)
+        out, lse = _fwd_bwd_rows(p, reps, add, tsm, bwd_variants, baseline)
+        if has_tilelang:
+            from megatron_glm5.ops import tilelang_sparse_mla_ws
+
+            tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
+                tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV),
+                ((", warp-specialised", tilelang_sparse_mla_ws.WS_CONFIG),), reps, p.fwd_flop)
+            _dense_bwd_rows(p, out, lse, reps, add)
         torch.cuda.empty_cache()
         return rows
     add("indexer_topk (triton)", timed(lambda: triton_indexer.indexer_topk(
@@ -444,7 +454,8 @@ def main(argv=None):
                     help="also time TileLang's example kernels: the examples/deepseek_v32 folder of a tile-ai/tilelang "
                          "checkout (benchmarks/peer_tilelang.py)")
     ap.add_argument("--bwd-only", action="store_true",
-                    help="only the sparse MLA forward and backward rows (and only the backward's sweep)")
+                    help="only the sparse MLA forward and backward rows, Triton's and (with tilelang) our TileLang "
+                         "dense backward's (and only the backward's sweep)")
     ap.add_argument("--profile-bwd", action="store_true",
                     help="also print where our TileLang backward's GPU time goes, kernel by kernel (torch profiler)")
     ap.add_argument("--bwd-variants", default=None,

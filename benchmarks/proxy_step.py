@@ -235,6 +235,7 @@ def _profile(name, model, step, cfg, args, device, gen):
     for p in model.parameters():
         p.grad = None
     if args.trace:  # the profiled step's timeline (chrome://tracing, Perfetto), one file per impl
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(Path(args.trace) / f"trace_{name.replace('/', '_')}.json.gz"))
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     table = prof.key_averages().table(sort_by=key, row_limit=args.profile, max_name_column_width=70)

@@ -454,7 +454,7 @@ def dense_zero_ahead_runs(backward, rows: int = 256):
 
 
 @needs_triton
-def test_kept_zero_buffer_is_zeroed_again_after_a_plan_that_failed_midway():
+def test_kept_zero_buffer_is_zeroed_again_after_a_plan_that_failed_midway(monkeypatch):
     """ZEROS "restore"'s kept buffer: reused while clean; grown as a fresh zero buffer; a plan that set it dirty
     (its kernel may have written) and never restored it -- an exception between -- is zeroed in full by the next."""
     from megatron_glm5.ops import triton_sparse_mla as tsm
@@ -471,6 +471,19 @@ def test_kept_zero_buffer_is_zeroed_again_after_a_plan_that_failed_midway():
     assert bigger[0].numel() == 16 and bigger[0].eq(0).all() and len(kept.buffers) == 1
     kept.release()
     assert not kept.buffers
+    # "auto": restore where n_keys > ZEROS_RESTORE_RATIO x top-k (the selected entries a small part), else memsets
+    from megatron_glm5.ops import host_windows
+    # (on the CPU only under Triton's interpreter: the restore is a Triton kernel)
+    for interpret in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        for n_keys, restored in ((8, False), (9, interpret == "1")):
+            idx = torch.zeros(n_keys, 4, dtype=torch.int32)
+            host_windows.remember_row_ends(idx, torch.zeros(n_keys, dtype=torch.int64))
+            plan = tsm.dense_plan(torch.zeros(n_keys, 2, 8), torch.zeros(n_keys, 8), idx, None,
+                                  dict(DK="dense", ZEROS="auto"))
+            assert (plan.indices is not None) == restored, (interpret, n_keys)
+    with pytest.raises(ValueError, match="'restore' runs a Triton kernel: it needs a CUDA GPU"):
+        tsm.dense_plan(torch.zeros(9, 2, 8), torch.zeros(9, 8), idx, None, dict(DK="dense", ZEROS="restore"))
     with pytest.raises(ValueError, match="unknown ZEROS 'sometimes'"):
         host_idx = torch.zeros(4, 2, dtype=torch.int32)
         from megatron_glm5.ops import host_windows

@@ -26,7 +26,8 @@ MLA_VARIANTS = {"one_kernel": dict(DK="in_kernel", SKIP_PAD=False), "slots": dic
                 "slots_chunked": dict(DK="slots"), "dense_chunked": dict(DK="dense"),
                 "dense_chunked_split1": dict(DK="dense", DENSE_SPLIT=1),
                 "dense_chunked_split3": dict(DK="dense", DENSE_SPLIT=3),
-                "dense_host_bounds": dict(DK="dense"), "dense_chunked_host_bounds": dict(DK="dense"),
+                "dense_host_bounds": dict(DK="dense", ZEROS="memset"),
+                "dense_chunked_host_bounds": dict(DK="dense", ZEROS="memset"),
                 "dense_host_bounds_restore": dict(DK="dense", ZEROS="restore"),
                 "dense_chunked_host_bounds_restore": dict(DK="dense", ZEROS="restore")}
 

@@ -92,7 +92,7 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
                   DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128,
                   DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3, ZERO_AHEAD=True,
-                  ZEROS="memset")
+                  ZEROS="auto")
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
 # _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
 # chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_ROWS: at
@@ -101,7 +101,10 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
 # stream while this one's kernel and GEMMs run (DensePlan), instead of a memset between them.  ZEROS (the same
 # plans): "memset" -- each chunk's matrices zeroed before its kernel (ZERO_AHEAD's way); "restore" -- one buffer per
 # (device, dtype, stream) kept zero between backwards: after a chunk's GEMMs, _restore_zeros_kernel zeroes only the
-# entries its kernel wrote (the selected keys' rows), so nothing is zeroed that was not written (DensePlan)
+# entries its kernel wrote (the selected keys' rows), so nothing is zeroed that was not written (DensePlan);
+# "auto" -- "restore" where n_keys / topk exceeds ZEROS_RESTORE_RATIO (the selected entries a small part of the
+# matrices), else "memset"
+ZEROS_RESTORE_RATIO = 2.0
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
@@ -744,8 +747,14 @@ def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Opt
     rows = _dense_rows(n_q, n_keys, h, q.element_size(), cfg)
     ends = _host_chunk_key_ends(row_hi, range(0, n_q, rows), rows, n_keys)
     zeros = cfg.get("ZEROS", "memset")
-    if zeros not in ("memset", "restore"):
-        raise ValueError(f"triton sparse_mla_bwd: unknown ZEROS {zeros!r} (memset, restore)")
+    if zeros not in ("memset", "restore", "auto"):
+        raise ValueError(f"triton sparse_mla_bwd: unknown ZEROS {zeros!r} (memset, restore, auto)")
+    runs_kernels = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"  # the restore is a Triton kernel
+    if zeros == "auto":
+        zeros = "restore" if runs_kernels and n_keys > ZEROS_RESTORE_RATIO * topk else "memset"
+    elif zeros == "restore" and not runs_kernels:
+        raise ValueError("triton sparse_mla_bwd: ZEROS 'restore' runs a Triton kernel: it needs a CUDA GPU (or "
+                         "Triton's interpreter, TRITON_INTERPRET=1)")
     return DensePlan(n_q, h, rows, ends, q.dtype, q.device, zero_ahead=bool(cfg.get("ZERO_AHEAD", False)),
                      restore=indices.contiguous() if zeros == "restore" else None)
 
