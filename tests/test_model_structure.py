@@ -66,3 +66,21 @@ def test_building_logs_no_gpt_model_deprecation(parallel, caplog):
         with torch.device("meta"):
             build_model(GLM5Config.from_preset("tiny"), perform_initialization=False)
     assert [r.getMessage() for r in caplog.records if "GPTModel IS DEPRECATED" in r.getMessage()] == []
+
+
+def test_building_a_model_drops_the_previous_jobs_aux_loss_scale(parallel):
+    """megatron-core's MoEAuxLossAutoScaler keeps its backward scale process-wide; a backward outside the schedule
+    leaves a 0-dim 1.0 there, into which the schedule's [1]-shaped scale cannot be copied. build_model drops it, so
+    a job built after another in the same process (the tests, a notebook) sets its own."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)  # as a bare backward leaves it
+    with pytest.raises(RuntimeError, match="doesn't match the broadcast shape"):
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1))
+    with torch.device("meta"):
+        build_model(GLM5Config.from_preset("tiny"), perform_initialization=False)
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale is None
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 0.5))  # what the schedule does each micro-batch
+    MoEAuxLossAutoScaler.set_loss_scale(torch.full((1,), 0.25))
+    assert MoEAuxLossAutoScaler.main_loss_backward_scale.tolist() == [0.25]
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None

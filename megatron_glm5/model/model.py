@@ -73,12 +73,17 @@ def _check_selective_recompute(cfg) -> None:
                          "(its CheckpointWithoutOutput always takes the FP8 path); drop it or use full recompute") from None
 
 
-def _reset_mtp_loss_tracker() -> None:
-    """megatron-core keeps MTP loss metrics in a process-wide tracker sized by the first model's MTP depth; a model
-    built later in the same process (a notebook, a second run, the tests) with another depth would index past it."""
+def _reset_process_globals() -> None:
+    """megatron-core keeps per-job state process-wide, which a model built later in the same process (a notebook, a
+    second run, the tests) must not inherit: the MTP loss tracker, sized by the first model's MTP depth (another
+    depth would index past it), and the aux-loss backward scale, which its autograd Function sets to a 0-dim 1.0
+    when a backward runs outside the schedule -- the schedule's later [1]-shaped scale then cannot be copied into
+    it ("output with shape [] doesn't match the broadcast shape [1]")."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     MTPLossLoggingHelper.tracker.clear()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # set again (assigned) by the next set_loss_scale
 
 
 def build_model(config, *, pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
@@ -113,7 +118,7 @@ def build_model(config, *, pre_process: Optional[bool] = None, post_process: Opt
     mcore_patches.apply("mtp_roll_tensor_cp", tcfg)  # MTP's token roll, exact under --cp > 1
     if tcfg.moe_token_dispatcher_type == "hybridep" and hybridep_backend() == "torch":
         setup_hybridep_groups(tcfg)  # collective: every rank creates the intra-/inter-node groups
-    _reset_mtp_loss_tracker()
+    _reset_process_globals()
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
