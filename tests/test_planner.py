@@ -238,3 +238,44 @@ def test_training_script_refuses_a_model_this_machine_cannot_hold(tmp_path):
     msg = assert_user_error(proc, "rank 0 (pipeline stage 0) needs about", "GiB", "tools/plan_layout.py",
                             "--skip-memory-check", workdir=tmp_path)
     assert "available memory" in msg
+
+
+GIB_ = 1 << 30
+
+
+@pytest.mark.parametrize("n_q,n_keys,heads,det,want", [
+    (4096, 4096, 64, False, 2 * GIB_),  # dense, 1,024-row chunks of 2 x 4096 x 1024 x 64 x 2 B = 1 GiB, two (ahead)
+    (8192, 8192, 64, False, GIB_),  # dense, n_keys > 2 x top-k: one 512-row buffer kept zero
+    (32768, 32768, 64, False, GIB_),  # slots: 2,048 rows of 2 x 2048 x 64 x 2 B
+    (32768, 32768, 64, True, GIB_),  # deterministic: dense (16 <= 20), kept, 128-row chunks
+    (4096, 4096, 8, False, GIB_ // 2),  # TP8: one chunk of all 4,096 rows (2 x 4096 x 4096 x 8 x 2 B), no second
+])
+def test_sparse_backward_buffer_bytes(n_q, n_keys, heads, det, want):
+    """The P / dS buffers our sparse-MLA backward holds (ops/sparse_bwd_budget.py), figures worked out by hand from
+    its 1 GiB chunk budget and the formulation rules."""
+    from megatron_glm5.ops.sparse_bwd_budget import backward_buffer_bytes
+
+    assert backward_buffer_bytes(n_q, n_keys, heads, 2048, deterministic=det) == want
+
+
+def test_planner_counts_the_sparse_backward_buffers_in_the_working_set():
+    """--attn triton at 4096 tokens: 2 GiB more working set than --attn cudnn (whose backward is cuDNN's) on a middle
+    stage of the LoRA recipe; the dense warm-up stage runs no sparse backward; at 8192 tokens the kept buffer (1 GiB)
+    also stays through the optimizer step."""
+    from megatron_glm5.planning.memory import sparse_backward_bytes
+
+    recipe = str(REPO / "examples" / "recipes" / "glm5.3_lora_1x8.yaml")
+    plans = {attn: make_plan(_args(["--config", recipe, "--attn", attn], world=8), GPUS["h200-141gb"])
+             for attn in ("triton", "cudnn")}
+    mid = {attn: plan.stage_worst(1).memory for attn, plan in plans.items()}
+    assert mid["triton"].working_bytes - mid["cudnn"].working_bytes == 2 * GIB_
+    assert mid["triton"].optimizer_step_bytes == mid["cudnn"].optimizer_step_bytes
+    args = _args(["--config", recipe, "--attn", "triton"], world=8)
+    layout = build_layout(args)
+    assert sparse_backward_bytes(args, layout) == (2 * GIB_, 0)
+    long = _args(["--config", recipe, "--attn", "triton", "--seq-length", "8192"], world=8)
+    assert sparse_backward_bytes(long, build_layout(long)) == (GIB_, GIB_)
+    sparse = _args(["--config", str(RECIPE_32X8), "--attn", "triton"], world=256)
+    warmup = _args(["--config", str(RECIPE_32X8), "--attn", "triton", "--dsa-stage", "dense-warmup"], world=256)
+    assert sparse_backward_bytes(sparse, build_layout(sparse))[0] > 0
+    assert sparse_backward_bytes(warmup, build_layout(warmup)) == (0, 0)

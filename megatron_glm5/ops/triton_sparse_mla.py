@@ -68,6 +68,10 @@ from typing import Callable, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
+
+from .sparse_bwd_budget import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, PDS_BUFFER_BYTES,  # noqa: F401 (re-exported)
+                                ZEROS_RESTORE_RATIO, auto_dk_mode, auto_restores, chunk_rows, dense_rows,
+                                deterministic_default)
 from triton.runtime.errors import OutOfResources
 
 from . import host_windows, triton_interpret_compat
@@ -103,30 +107,14 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
 # (device, dtype, stream) kept zero between backwards: after a chunk's GEMMs, _restore_zeros_kernel zeroes only the
 # entries its kernel wrote (the selected keys' rows), so nothing is zeroed that was not written (DensePlan);
 # "auto" -- "restore" where n_keys / topk exceeds ZEROS_RESTORE_RATIO (the selected entries a small part of the
-# matrices), else "memset"
-ZEROS_RESTORE_RATIO = 2.0
+# matrices), else "memset".  The budgets (DET_BUFFER_BYTES, PDS_BUFFER_BYTES), DENSE_KEY_RATIO and
+# ZEROS_RESTORE_RATIO live in ops/sparse_bwd_budget.py, which the memory planner reads too
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
-# "auto" picks "dense" while n_keys / topk (host-known: the keys "dense" may multiply per query against the slots
-# "slots" adds) is at most this, per dkv mode.  H200, benchmarks/dsa_kernels.py (docs/design.md), causal, where the
-# keys really multiplied are about half of n_keys: at S 4096 (n_keys / topk 2) "dense" is faster in both modes; at
-# S 32768 (16) "slots" is faster atomic and "dense" deterministic (no sort, no segmented sums)
-DENSE_KEY_RATIO = {"atomic": 4.0, "deterministic": 20.0}
 # tried in order when a configuration needs more shared memory than the GPU has
 BWD_FALLBACKS = (dict(BLOCK_N=32, H_SPLIT=4, num_warps=4, num_stages=1),
                  dict(BLOCK_N=16, H_SPLIT=4, num_warps=4, num_stages=1))
-# bytes of fp32 per-(query, slot) dkv contributions held at once in deterministic mode
-DET_BUFFER_BYTES = 2 << 30
-# bytes of the p / ds chunk buffers of the "slots" and "dense" backward
-PDS_BUFFER_BYTES = 1 << 30
-
-
-def deterministic_default() -> bool:
-    v = os.environ.get("GLM5_TRITON_DETERMINISTIC", "0").strip().lower()
-    if v not in ("0", "1", "true", "false", "yes", "no", ""):
-        raise ValueError(f"GLM5_TRITON_DETERMINISTIC must be 0 or 1, got {v!r}")
-    return v in ("1", "true", "yes")
 
 
 def _block_h(h: int) -> int:
@@ -558,15 +546,12 @@ def used_slot_ends(indices: torch.Tensor, n_keys: int) -> torch.Tensor:
 
 
 def _dense_rows(n_q: int, n_keys: int, h: int, elt: int, cfg: dict) -> int:
-    """Query rows per chunk of the "dense" formulation: its [key, rows x heads] dS and P matrices within
-    PDS_BUFFER_BYTES, and at most DENSE_ROWS (smaller chunks multiply fewer keys above the causal diagonal)."""
-    rows = _chunk_rows(n_q, 2 * n_keys * h * elt, PDS_BUFFER_BYTES)
-    return min(rows, int(cfg["DENSE_ROWS"])) if cfg.get("DENSE_ROWS") else rows
+    """Query rows per chunk of the "dense" formulation (sparse_bwd_budget.dense_rows with this module's
+    PDS_BUFFER_BYTES and the config's DENSE_ROWS)."""
+    return dense_rows(n_q, n_keys, h, elt, PDS_BUFFER_BYTES, cfg.get("DENSE_ROWS"))
 
 
-def _chunk_rows(n_q: int, per_row_bytes: int, budget: int) -> int:
-    """Query rows per launch so that the per-row buffers of a chunk stay within ``budget`` bytes."""
-    return max(1, min(n_q, budget // max(1, per_row_bytes)))
+_chunk_rows = chunk_rows
 
 
 def _dense_dkv_mm(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v):
@@ -751,7 +736,7 @@ def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Opt
         raise ValueError(f"triton sparse_mla_bwd: unknown ZEROS {zeros!r} (memset, restore, auto)")
     runs_kernels = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"  # the restore is a Triton kernel
     if zeros == "auto":
-        zeros = "restore" if runs_kernels and n_keys > ZEROS_RESTORE_RATIO * topk else "memset"
+        zeros = "restore" if runs_kernels and auto_restores(n_keys, topk) else "memset"
     elif zeros == "restore" and not runs_kernels:
         raise ValueError("triton sparse_mla_bwd: ZEROS 'restore' runs a Triton kernel: it needs a CUDA GPU (or "
                          "Triton's interpreter, TRITON_INTERPRET=1)")
@@ -833,10 +818,7 @@ def _dk_mode(cfg: dict, n_keys: int, topk: int, det: bool) -> str:
     structure is not known here, only on the device) are at most DENSE_KEY_RATIO x the top-k slots per query that
     "slots" adds into dkv -- decided from host-known sizes alone, no host synchronisation."""
     mode = cfg.get("DK", "in_kernel")
-    if mode != "auto":
-        return mode
-    ratio = n_keys / max(1, min(topk, n_keys))
-    return "dense" if ratio <= DENSE_KEY_RATIO["deterministic" if det else "atomic"] else "slots"
+    return auto_dk_mode(n_keys, topk, det) if mode == "auto" else mode
 
 
 def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float, d_v: int,

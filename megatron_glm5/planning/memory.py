@@ -14,12 +14,18 @@ of the two on this rank.  The peak is the weights, gradients and optimizer state
 forward/backward dynamic memory and that transient (a fused Adam, with TE or Apex, has no such transient).
 The memory options (training/memory_options.py) change the static part (buffers.py) and this transient
 (``optimizer_step_transient_bytes``).
+
+Our sparse-MLA backward (``--attn`` triton, tilelang, flashmla, or auto, which may pick one of them; the sparse stage)
+holds its P / dS buffers while a layer's backward runs (``ops/sparse_bwd_budget.backward_buffer_bytes``: up to
+2 GiB), counted in the working set; where it keeps its buffer zero between backwards (ZEROS "restore", long
+sequences) that buffer also stays through the optimizer step.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Dict
 
+from megatron_glm5.ops import sparse_bwd_budget
 from megatron_glm5.planning import activations as act
 from megatron_glm5.planning import lora_terms
 from megatron_glm5.planning.buffers import StaticMemory
@@ -27,6 +33,7 @@ from megatron_glm5.planning.buffers import StaticMemory
 GIB = 1024 ** 3
 CONTEXT_BYTES = int(2.5 * GIB)  # CUDA context, cuBLAS/NCCL workspaces and communicator buffers: an assumption
 FRAGMENTATION = 0.05  # the caching allocator's slack over what tensors hold: an assumption
+OUR_SPARSE_BACKWARD = ("auto", "triton", "tilelang", "flashmla")  # --attn values whose sparse backward is ours
 
 # --recompute-modules (selective recompute): the activation terms each one stops keeping
 _SELECTIVE_DROPS = {
@@ -79,7 +86,7 @@ class RankMemory:
     static: StaticMemory
     activation_bytes: int
     working_bytes: int  # the largest transient of forward/backward: a recomputed layer + dispatch buffers, or the loss
-    optimizer_step_bytes: int  # torch AdamW's foreach temporary during optimizer.step()
+    optimizer_step_bytes: int  # torch AdamW's foreach temporary during optimizer.step() (+ a kept sparse buffer)
     loss_bytes: int
     dispatch_bytes: int
     context_bytes: int
@@ -110,6 +117,20 @@ class RankMemory:
                 "allocator_margin": self.margin_bytes}
 
 
+def sparse_backward_bytes(args, layout) -> tuple:
+    """(bytes our sparse-MLA backward holds while it runs, of which kept between backwards) on one rank: its P / dS
+    buffers for the micro-batch's local queries against all its keys and this rank's heads (module docstring)."""
+    cfg = args.model_config
+    if getattr(args, "dsa_stage", "sparse") != "sparse" or getattr(args, "attn", "auto") not in OUR_SPARSE_BACKWARD:
+        return 0, 0
+    n_keys = args.seq_length * args.micro_batch_size  # every key row of the micro-batch (CP gathers them)
+    n_q, heads, topk = n_keys // layout.cp, max(1, cfg.num_attention_heads // layout.tp), cfg.index_topk
+    held = sparse_bwd_budget.backward_buffer_bytes(n_q, n_keys, heads, topk,
+                                                   d_qk=cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    dense = sparse_bwd_budget.auto_dk_mode(n_keys, topk, sparse_bwd_budget.deterministic_default()) == "dense"
+    return held, (held if dense and sparse_bwd_budget.auto_restores(n_keys, topk) else 0)
+
+
 def rank_memory(args, layout, chunks, pp_rank: int, static: StaticMemory) -> RankMemory:
     """The peak of one rank of pipeline rank ``pp_rank`` (``chunks``: its model chunks)."""
     cfg = args.model_config
@@ -133,9 +154,10 @@ def rank_memory(args, layout, chunks, pp_rank: int, static: StaticMemory) -> Ran
     loss = 0.0
     if any(c.post_process for c in chunks):
         loss = act.loss_bytes_per_token(cfg, tp, 1 + (args.mtp_steps if mtp else 0)) * tokens
-    working = max(recomputed + dispatch, loss)
+    attn_bwd, attn_kept = sparse_backward_bytes(args, layout)
+    working = max(recomputed + dispatch + attn_bwd, loss + attn_kept)
     s = lora_terms.for_rank(args, layout, chunks, static)  # a LoRA run's frozen base (lora_terms.py)
-    step_transient = optimizer_step_transient_bytes(s)
+    step_transient = optimizer_step_transient_bytes(s) + attn_kept
     m = RankMemory(static=s, activation_bytes=int(activation), working_bytes=int(working), loss_bytes=int(loss),
                    optimizer_step_bytes=int(step_transient), dispatch_bytes=int(dispatch),
                    context_bytes=CONTEXT_BYTES, margin_bytes=0, in_flight=in_flight)

@@ -71,7 +71,8 @@ def render(plan) -> str:
     out.append(f"  weights: bf16 parameters (padded DDP parameter buffer under the distributed optimizer); grads: "
                f"{grad_dtype}; optim: fp32 main copy + Adam m, v of the rank's shard on the GPU (dense over DP x CP,")
     out.append(f"  experts over expert DP); activ: kept for backward x micro-batches in flight (1F1B: PP - stage); "
-               f"working: the recomputed layer + MoE dispatch buffers, or the logits/loss on the last stage; "
+               f"working: the recomputed layer + MoE dispatch buffers + our sparse backward's P / dS buffers, or the "
+               f"logits/loss on the last stage; "
                f"opt-step: torch AdamW's foreach temporary during the optimizer step; total = weights + grads + "
                f"optim + max(activ + working, opt-step) + ctx+margin (CUDA context/NCCL {CONTEXT_BYTES / GIB:g} GiB + "
                f"{FRAGMENTATION:.0%} allocator margin: assumptions). Activations are an ESTIMATE "

@@ -1,0 +1,82 @@
+"""What our sparse-MLA backward holds in memory while it runs, from host-known sizes.
+
+The one place for the backward's buffer budgets, its dk-formulation rule and its chunk arithmetic: read by the
+backward itself (``ops/triton_sparse_mla.py``, whose ``DensePlan`` the tilelang backend's dense backward fills too)
+and by the memory planner (``planning/memory.py``), which imports no GPU library -- so nothing here does either.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+# bytes of fp32 per-(query, slot) dkv contributions held at once in deterministic mode ("slots", "in_kernel")
+DET_BUFFER_BYTES = 2 << 30
+# bytes of the p / ds chunk buffers of the "slots" and "dense" backward
+PDS_BUFFER_BYTES = 1 << 30
+# "auto" picks "dense" while n_keys / topk (host-known: the keys "dense" may multiply per query against the slots
+# "slots" adds) is at most this, per dkv mode.  H200, benchmarks/dsa_kernels.py (docs/design.md), causal, where the
+# keys really multiplied are about half of n_keys: at S 4096 (n_keys / topk 2) "dense" is faster in both modes; at
+# S 32768 (16) "slots" is faster atomic and "dense" deterministic (no sort, no segmented sums)
+DENSE_KEY_RATIO = {"atomic": 4.0, "deterministic": 20.0}
+# BWD_CONFIG ZEROS "auto": the dense plan keeps its buffer zero between backwards ("restore") where n_keys / topk
+# exceeds this (the selected entries a small part of the matrices), else it zeroes each chunk's ("memset")
+ZEROS_RESTORE_RATIO = 2.0
+
+
+def deterministic_default() -> bool:
+    """GLM5_TRITON_DETERMINISTIC (1 / 0; default 0): the default dkv mode of our sparse backward and indexer KL."""
+    v = os.environ.get("GLM5_TRITON_DETERMINISTIC", "0").strip().lower()
+    if v not in ("0", "1", "true", "false", "yes", "no", ""):
+        raise ValueError(f"GLM5_TRITON_DETERMINISTIC must be 0 or 1, got {v!r}")
+    return v in ("1", "true", "yes")
+
+
+def chunk_rows(n_q: int, per_row_bytes: int, budget: int) -> int:
+    """Query rows per launch so that the per-row buffers of a chunk stay within ``budget`` bytes."""
+    return max(1, min(n_q, budget // max(1, per_row_bytes)))
+
+
+def dense_rows(n_q: int, n_keys: int, h: int, elt: int, budget: int, cap: Optional[int] = None) -> int:
+    """Query rows per chunk of the "dense" formulation: its [key, rows x heads] dS and P matrices within ``budget``,
+    and at most ``cap`` rows (BWD_CONFIG's DENSE_ROWS; smaller chunks multiply fewer keys above the causal
+    diagonal)."""
+    rows = chunk_rows(n_q, 2 * n_keys * h * elt, budget)
+    return min(rows, int(cap)) if cap else rows
+
+
+def auto_dk_mode(n_keys: int, topk: int, deterministic: bool) -> str:
+    """DK "auto": "dense" when the keys it may multiply per query (all n_keys: the causal structure is not known on
+    the host) are at most DENSE_KEY_RATIO x the top-k slots per query that "slots" adds into dkv, else "slots"."""
+    ratio = n_keys / max(1, min(topk, n_keys))
+    return "dense" if ratio <= DENSE_KEY_RATIO["deterministic" if deterministic else "atomic"] else "slots"
+
+
+def auto_restores(n_keys: int, topk: int) -> bool:
+    """ZEROS "auto" on a device where the restore kernel runs: keep the buffer zero ("restore")?"""
+    return n_keys > ZEROS_RESTORE_RATIO * topk
+
+
+def backward_buffer_bytes(n_q: int, n_keys: int, heads: int, topk: int, d_qk: int = 576, elt: int = 2,
+                          deterministic: Optional[bool] = None) -> int:
+    """The most the default backward (DK, ZEROS "auto", ZERO_AHEAD on, the indexer's host row bounds known) holds in
+    its P / dS and per-slot buffers for ``n_q`` queries of this rank against ``n_keys`` keys with ``heads`` heads
+    here, d_qk wide, inputs of ``elt`` bytes: "dense" -- one chunk buffer of 2 x n_keys x rows x heads (the last
+    chunk's key end is at most n_keys) kept between backwards ("restore"), or two while a backward of two chunks or
+    more runs (the next one zeroed ahead); "slots" -- the [rows, 2, topk, heads padded to 16 / a power of two] buffer, plus in
+    deterministic mode the fp32 per-slot rows (DET_BUFFER_BYTES at most)."""
+    det = deterministic_default() if deterministic is None else bool(deterministic)
+    if n_q <= 0 or n_keys <= 0 or topk <= 0:
+        return 0
+    if auto_dk_mode(n_keys, topk, det) == "dense":
+        rows = dense_rows(n_q, n_keys, heads, elt, PDS_BUFFER_BYTES)
+        one = 2 * n_keys * rows * heads * elt
+        two_ahead = not auto_restores(n_keys, topk) and -(-n_q // rows) > 1
+        return one * (2 if two_ahead else 1)
+    hp = max(16, 1 << max(0, heads - 1).bit_length())
+    per_row = 2 * topk * hp * elt
+    rows = chunk_rows(n_q, per_row, PDS_BUFFER_BYTES)
+    held = rows * per_row
+    if det:
+        det_row = topk * d_qk * 4  # fp32 dkv rows per (query, slot)
+        held += chunk_rows(rows, det_row, DET_BUFFER_BYTES) * det_row
+    return held
