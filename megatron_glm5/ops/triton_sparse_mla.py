@@ -68,14 +68,13 @@ from typing import Callable, Optional, Tuple
 import torch
 import triton
 import triton.language as tl
-
-from .sparse_bwd_budget import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, PDS_BUFFER_BYTES,  # noqa: F401 (re-exported)
-                                ZEROS_RESTORE_RATIO, auto_dk_mode, auto_restores, chunk_rows, dense_rows,
-                                deterministic_default)
 from triton.runtime.errors import OutOfResources
 
 from . import host_windows, triton_interpret_compat
 from .base import sparse_mla_autograd, warn_once
+from .sparse_bwd_budget import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, PDS_BUFFER_BYTES,  # noqa: F401 (re-exported)
+                                ZEROS_RESTORE_RATIO, auto_dk_mode, auto_restores, chunk_rows, dense_rows,
+                                deterministic_default)
 
 triton_interpret_compat.apply()
 
