@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -101,7 +102,8 @@ def test_resume_without_save_takes_the_newest_run(tmp_path):
         run_dir.claim(_args(tmp_path / "empty", resume=True))
 
 
-def test_a_live_lock_refuses_and_a_dead_one_is_taken(tmp_path):
+def test_a_live_lock_refuses_and_a_dead_one_is_taken(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_dir, "LOCK_GRACE_S", 0.3)
     save = tmp_path / "shared"
     os.makedirs(save)
     holder = os.open(save / run_dir.LOCK_FILE, os.O_RDWR | os.O_CREAT)
@@ -151,3 +153,23 @@ def test_a_refused_start_leaves_nothing_behind(tmp_path):
     with pytest.raises(run_dir.RunDirectoryError, match="holds no run to resume"):
         run_dir.claim(_args(tmp_path, save, resume=True))
     assert not save.exists()
+
+
+def test_a_lock_held_for_a_moment_is_waited_for(tmp_path, monkeypatch):
+    """A run that starts while another holds the lock only to decide (and refuse) waits for it (LOCK_GRACE_S) and
+    takes its own decision, instead of reporting the other's moment as 'another run is using this directory'."""
+    monkeypatch.setattr(run_dir, "LOCK_GRACE_S", 10.0)
+    save = tmp_path / "shared"
+    os.makedirs(save)
+    code = (f"import fcntl, os, time; fd = os.open({str(save / run_dir.LOCK_FILE)!r}, os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(1.0)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        taken = run_dir.claim(_args(tmp_path, save))
+        waited = time.monotonic() - start
+    finally:
+        holder.wait()
+    taken.release()
+    assert 0.3 < waited < 9.0, waited

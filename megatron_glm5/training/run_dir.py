@@ -40,6 +40,7 @@ log = logging.getLogger("megatron_glm5.run")
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
+LOCK_GRACE_S = 5.0  # how long a starting run waits for a directory's lock before naming its holder
 RUN_FORMAT = 1
 # what a run directory's previous run leaves, removed by --overwrite (names inside the directory)
 _RUN_ARTIFACTS = (ckpt_format.LATEST, "tensorboard", RUN_FILE)
@@ -140,19 +141,27 @@ class RunDirectory:
 
 
 def _lock(path: str) -> int:
-    """Take the directory's lock (rank 0) or raise naming the run that holds it."""
+    """Take the directory's lock (rank 0) or raise naming the run that holds it.  A run that starts beside another
+    waits up to LOCK_GRACE_S for it: a run deciding what to do with the directory (and then, say, refusing) holds the
+    lock for a moment only, and this one then takes its own decision instead of reporting that moment."""
     lock_path = os.path.join(path, LOCK_FILE)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-        os.close(fd)
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            raise RunDirectoryError(
-                f"--save {path}: another run is using this directory ({holder or 'no details'}); wait for it to "
-                f"finish, or choose another --save") from None
-        raise
+    deadline = time.monotonic() + LOCK_GRACE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EACCES) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise RunDirectoryError(
+                    f"--save {path}: another run is using this directory ({holder or 'no details'}); wait for it to "
+                    f"finish, or choose another --save") from None
+            raise
     previous = os.pread(fd, 4096, 0).decode(errors="replace").strip()
     if previous:
         log.warning("run directory %s: taking over the lock of a run that ended without releasing it (%s)",
