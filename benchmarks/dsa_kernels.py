@@ -60,11 +60,12 @@ DENSE_SWEEP = [
     dict(DENSE_BLOCK_K=64, DENSE_SPLIT=1),
 ]
 # the backward variants timed side by side in one run (overrides of tsm.BWD_CONFIG, or the name of one of its
-# configurations): the default (DK "auto"), each dk formulation, "slots" without the padding skip, and the previous
-# one-kernel backward (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
+# configurations): the default (DK "auto"), each dk formulation ("slots" deterministic: the fixed-point sums;
+# "slots-sorted": the earlier sorted ones), "slots" without the padding skip, and the previous one-kernel backward
+# (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
 BWD_VARIANTS = {"auto": {}, "auto-memsets-in-order": dict(ZERO_AHEAD=False, ZEROS="memset"),
                 "auto-memsets": dict(ZEROS="memset"), "auto-kept-zero": dict(ZEROS="restore"),
-                "slots": dict(DK="slots"),
+                "slots": dict(DK="slots"), "slots-sorted": dict(DK="slots", DET_SLOTS="sorted"),
                 "dense": dict(DK="dense"),
                 "dense-triton-dkv": dict(DK="dense", DENSE_DKV="triton"),
                 "dense-dq-in-kernel": dict(DK="dense", DENSE_DQ=False),

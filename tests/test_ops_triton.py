@@ -53,7 +53,8 @@ MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("p
                 ("cp", True, "dense_chunked"), ("packed", True, "dense_chunked_split1"),
                 ("cp", False, "dense_chunked_split3"), ("empty_rows", False, "dense_host_bounds"),
                 ("cp", True, "dense_chunked_host_bounds"), ("empty_rows", True, "dense_host_bounds_restore"),
-                ("cp", False, "dense_chunked_host_bounds_restore"), ("packed", True, "dense_host_bounds_restore")]
+                ("cp", False, "dense_chunked_host_bounds_restore"), ("packed", True, "dense_host_bounds_restore"),
+                ("cp", True, "slots_sorted")]
 # indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block, form / d_k_idx path); top-k 8 / 16
 # / 12 below, so block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12). Paths
 # (tests/triton_interp_runner.KL_DK): "auto" without host row bounds (slot form: atomics / deterministic rows),
@@ -97,6 +98,8 @@ def build_cases():
         cases[f"kl_{name}"] = dict(kind="kl", q_idx=qi, k_idx=ki, weights=w, idx_scale=0.5, q=q, kv=kv, scale=0.3,
                                    indices=idx, d_v=D_V, token_mask=mask, hook="mix" if name == "cp" else "none",
                                    modes=[m[1:] for m in KL_MODES if m[0] == name])
+        if name == "cp":  # the deterministic sums' order (test_interp_fixed_point_dkv_does_not_depend_on_order)
+            cases["mla_order"] = dict(cases[f"mla_{name}"], kind="mla_order")
         if name == "packed":
             cases["backend"] = dict(kind="backend", q=q, kv=kv, indices=idx, scale=0.3, d_v=D_V, key_start=ks,
                                     query_end=qe)
@@ -171,6 +174,29 @@ def test_interp_sparse_mla_bwd_variants(interp, name, deterministic, variant):
     if variant.endswith("restore"):  # the kept buffer: all zero and clean after each backward
         for run in (got["first"], got):
             assert run["kept"] and all(zero and not dirty for zero, dirty in run["kept"]), run["kept"]
+
+
+@needs_triton
+def test_interp_fixed_point_dkv_does_not_depend_on_order(interp):
+    """Deterministic "slots" (int64 fixed-point atomics): dq and dkv bitwise the same with the queries in reverse
+    order and in chunks of 3 rows, and within 1e-4 of float64.  The earlier sorted sums (reproducible for one order
+    only) and fp32 atomics change in their last bits with the order; both within 1e-4 of float64.  A broken bound
+    (one row's lse 40 below the forward's: p = e^40) or a NaN in d_out gives an all-NaN dkv, not a wrapped one."""
+    cases, res = interp
+    c, got = cases["mla_order"], res["mla_order"]
+    want = _ref_mla(dict(c, kind="mla"))
+    for order in ("reversed", "chunks"):
+        for a, b in zip(got["fixed", "given"], got["fixed", order]):
+            assert torch.equal(a, b), order
+    for way in ("fixed", "sorted", "atomic"):
+        for order in ("given", "reversed", "chunks"):
+            for g, ref in zip(got[way, order], (want["dq"], want["dkv"])):
+                torch.testing.assert_close(g.to(F64), ref, rtol=1e-4, atol=1e-4, msg=(way, order))
+    for way in ("sorted", "atomic"):  # what the fixed point removes
+        dkv = [got[way, order][1] for order in ("given", "reversed", "chunks")]
+        assert not (torch.equal(dkv[0], dkv[1]) and torch.equal(dkv[0], dkv[2])), way
+    for broken in ("broken_lse", "nan_d_out"):
+        assert torch.isnan(got[broken][1]).all(), broken
 
 
 @needs_triton

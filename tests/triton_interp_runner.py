@@ -22,6 +22,7 @@ def run_topk(c):
 
 # backward variants (test_ops_triton.MLA_VARIANTS): BWD_CONFIG overrides, and "chunked" buffers of 3 query rows
 MLA_VARIANTS = {"one_kernel": dict(DK="in_kernel", SKIP_PAD=False), "slots": dict(DK="slots"),
+                "slots_sorted": dict(DK="slots", DET_SLOTS="sorted"),
                 "dense": dict(DK="dense"), "slots_no_skip": dict(DK="slots", SKIP_PAD=False),
                 "slots_chunked": dict(DK="slots"), "dense_chunked": dict(DK="dense"),
                 "dense_chunked_split1": dict(DK="dense", DENSE_SPLIT=1),
@@ -172,8 +173,47 @@ def run_kl_after_topk(c):
     return out
 
 
+def run_mla_order(c):
+    """The deterministic "slots" backward (DET_SLOTS fixed / sorted) and the atomic one on the problem, on it with
+    the queries in reverse order, and in chunks of 3 query rows; then the fixed-point one with one row's lse 40
+    below the forward's (p far above 1: the bound broken) and with a NaN in d_out."""
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    q, kv, idx, d_out, d_lse = c["q"], c["kv"], c["indices"], c["d_out"], c["d_lse"]
+    out, lse = tsm.sparse_mla_fwd(q, kv, idx, c["scale"], c["d_v"])
+    rev = torch.arange(q.shape[0] - 1, -1, -1)
+    default, budget = dict(tsm.BWD_CONFIG), tsm.PDS_BUFFER_BYTES
+    res = {}
+
+    def bwd(way, order, lse_=lse, d_out_=d_out):
+        tsm.BWD_CONFIG.update(BLOCK_N=16, H_SPLIT=2, DK="slots", DK_BLOCK_S=16,
+                              DET_SLOTS="sorted" if way == "sorted" else "fixed")
+        if order == "chunks":
+            tsm.PDS_BUFFER_BYTES = 3 * 2 * idx.shape[1] * 16 * q.element_size()  # 3 query rows per chunk
+        p = rev if order == "reversed" else torch.arange(q.shape[0])
+        try:
+            dq, dkv = tsm.sparse_mla_bwd(q[p], kv, idx[p], out[p], lse_[p], d_out_[p], d_lse[p], c["scale"], c["d_v"],
+                                         deterministic=way != "atomic")
+        finally:
+            tsm.BWD_CONFIG.clear()
+            tsm.BWD_CONFIG.update(default)
+            tsm.PDS_BUFFER_BYTES = budget
+        return dq[p.argsort()], dkv
+
+    for way in ("fixed", "sorted", "atomic"):
+        for order in ("given", "reversed", "chunks"):
+            res[way, order] = bwd(way, order)
+    low = lse.clone()
+    low[1] -= 40.0
+    res["broken_lse"] = bwd("fixed", "given", lse_=low)
+    nan_out = d_out.clone()
+    nan_out[2, 0, 3] = float("nan")
+    res["nan_d_out"] = bwd("fixed", "given", d_out_=nan_out)
+    return res
+
+
 RUNNERS = {"topk": run_topk, "mla": run_mla, "kl": run_kl, "kl_given": run_kl_given, "backend": run_backend,
-           "kl_after_topk": run_kl_after_topk}
+           "kl_after_topk": run_kl_after_topk, "mla_order": run_mla_order}
 
 
 def main(cases_path, results_path):
