@@ -65,7 +65,7 @@ DENSE_SWEEP = [
 # (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
 BWD_VARIANTS = {"auto": {}, "auto-memsets-in-order": dict(ZERO_AHEAD=False, ZEROS="memset"),
                 "auto-memsets": dict(ZEROS="memset"), "auto-kept-zero": dict(ZEROS="restore"),
-                "slots": dict(DK="slots"), "slots-sorted": dict(DK="slots", DET_SLOTS="sorted"),
+                "slots": dict(DK="slots"), "slots-sorted": dict(DK="slots", DET_SUM="sorted"),
                 "dense": dict(DK="dense"),
                 "dense-triton-dkv": dict(DK="dense", DENSE_DKV="triton"),
                 "dense-dq-in-kernel": dict(DK="dense", DENSE_DQ=False),

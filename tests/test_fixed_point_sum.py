@@ -77,3 +77,24 @@ def test_sparse_mla_dkv_bound_holds_for_every_entry():
         assert per_key.max() <= float(bound), (mag, float(per_key.max()), float(bound))
         # and not absurdly loose: within the T x h factor the docstring names (and the norms' slack)
         assert float(bound) <= per_key.max() * n_q * h * 1e3, mag
+
+
+def test_indexer_dk_bound_hand_worked_and_holds_for_every_entry():
+    # two queries, two index heads: max |q_idx| 4; sum_h |w| = 0.5 + 1.5 = 2 (query 1); B = 2 x 0.25 x 2 x 4 x 1.0625
+    q_idx = torch.tensor([[[1.0, -4.0], [2.0, 0.0]], [[0.5, 1.0], [-1.0, 3.0]]])
+    w = torch.tensor([[0.25, -0.5], [0.5, -1.5]])
+    assert float(fps.indexer_dk_bound(q_idx, w, 0.25)) == 2 * 0.25 * 2.0 * 4.0 * 1.0625
+    # every d_k_idx entry's sum of |g w relu'(a) scale q_idx| in float64 is below it
+    g = torch.Generator().manual_seed(1)
+    n_q, h, d, n_k, topk = 20, 4, 8, 25, 6
+    q_idx, k_idx = torch.randn(n_q, h, d, generator=g), torch.randn(n_k, d, generator=g)
+    w = torch.randn(n_q, h, generator=g)
+    idx = torch.stack([torch.randperm(n_k, generator=g)[:topk] for _ in range(n_q)])
+    a = torch.einsum("thd,tkd->thk", q_idx.to(F64), k_idx.to(F64)[idx]) * 0.3
+    z = (w.to(F64)[:, :, None] * a.clamp(min=0)).sum(1)
+    target = torch.softmax(torch.randn(n_q, topk, generator=g, dtype=F64), -1)
+    grad = torch.softmax(z, -1) - target
+    da = (grad[:, None, :] * w.to(F64)[:, :, None] * 0.3 * (a > 0)).abs()  # [T, h, K]
+    contrib = torch.einsum("thk,thd->tkd", da, q_idx.to(F64).abs())
+    per_key = torch.zeros(n_k, d, dtype=F64).index_add_(0, idx.reshape(-1), contrib.reshape(-1, d))
+    assert per_key.max() <= float(fps.indexer_dk_bound(q_idx, w, 0.3))

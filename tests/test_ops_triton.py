@@ -60,7 +60,8 @@ MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("p
 # (tests/triton_interp_runner.KL_DK): "auto" without host row bounds (slot form: atomics / deterministic rows),
 # "auto_bounds" with them (the slot form's dense d_k_idx in deterministic mode), "dense" (that d_k_idx asked for)
 # with the indexer's host bounds (loose ones), in chunks of 3 query rows, and asked for without bounds (falls back);
-# "tiles" (the tile form, opt-in) likewise
+# "tiles" (the tile form, opt-in) likewise; "auto_sorted": the deterministic atomic path's earlier sorted per-slot
+# rows (DET_SUM "sorted"; by default the fixed-point atomics)
 KL_MODES = [("packed", False, True, 16, "auto"), ("packed", True, False, 8, "auto"), ("cp", True, True, 8, "auto"),
             ("cp", False, False, 16, "auto"), ("empty_rows", False, True, 8, "auto"),
             ("empty_rows", True, True, 16, "auto"), ("packed", False, True, 8, "dense"),
@@ -68,7 +69,7 @@ KL_MODES = [("packed", False, True, 16, "auto"), ("packed", True, False, 8, "aut
             ("cp", False, True, 8, "auto_bounds"), ("empty_rows", True, False, 8, "auto_bounds"),
             ("packed", True, True, 16, "dense_no_bounds"), ("packed", False, True, 8, "tiles"),
             ("cp", True, False, 16, "tiles_chunked"), ("empty_rows", False, True, 8, "tiles_chunked"),
-            ("empty_rows", True, True, 8, "tiles_no_bounds")]
+            ("empty_rows", True, True, 8, "tiles_no_bounds"), ("cp", True, True, 8, "auto_sorted")]
 TOPK_CASES = [("batch2", 5), ("packed", 64), ("cp", 5), ("empty_rows", 64)]  # 64: more than any window
 KL_AFTER_TOPK = [("packed", 6), ("empty_rows", 64), ("cp", 5)]  # (layout, top-k): short and full windows
 
@@ -107,6 +108,7 @@ def build_cases():
             hs = (torch.rand(idx.shape, generator=g) + 0.1) * (idx >= 0)
             cases["kl_given_target"] = dict(kind="kl_given", q_idx=qi, k_idx=ki, weights=w, idx_scale=0.5,
                                             indices=idx, head_sums=hs)
+            cases["kl_order"] = dict(cases["kl_given_target"], kind="kl_order")
     for name, topk in KL_AFTER_TOPK:  # our indexer's top-k, then the KL (integer inputs: exact scores)
         ks, qe, n_k = LAYOUTS[name]()
         qi, ki, w = int_inputs(ks.numel(), n_k, 4, 16, g, dtype=torch.float32)
@@ -293,6 +295,24 @@ def test_interp_indexer_kl_from_a_given_target_with_the_padding_skip(interp, det
     c = cases["kl_given_target"]
     _assert_kl_close(res["kl_given_target"][deterministic, skip, form],
                      _fp64_kl_from_target(c, c["indices"], c["head_sums"]))
+
+
+@needs_triton
+def test_interp_fixed_point_d_k_idx_does_not_depend_on_order(interp):
+    """The indexer KL in deterministic mode off the dense path (int64 fixed-point atomics): d_k_idx bitwise the same
+    with the queries in reverse order, everything within the fp64 KL's tolerance; the sorted per-slot rows and fp32
+    atomics change in their last bits with the order.  Head sums that are no distribution (a target of 1e6: the
+    bound broken) give an all-NaN d_k_idx, not a wrapped one."""
+    cases, res = interp
+    c, got = cases["kl_order"], res["kl_order"]
+    assert torch.equal(got["fixed", "given"][3], got["fixed", "reversed"][3])
+    want = _fp64_kl_from_target(c, c["indices"], c["head_sums"])
+    for key, r in got.items():
+        if key != "broken":
+            _assert_kl_close(r, want)
+    for way in ("sorted", "atomic"):
+        assert not torch.equal(got[way, "given"][3], got[way, "reversed"][3]), way
+    assert torch.isnan(got["broken"][3]).all()
 
 
 @needs_triton

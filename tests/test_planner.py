@@ -260,7 +260,7 @@ def test_sparse_backward_buffer_bytes(n_q, n_keys, heads, det, want):
     assert backward_buffer_bytes(n_q, n_keys, heads, 2048, deterministic=det) == want
     if det and n_keys == 65536:  # the earlier sorted sums: fp32 rows of 2048 x 576 x 4 B, 455 in 2 GiB, instead
         assert backward_buffer_bytes(n_q, n_keys, heads, 2048, deterministic=True,
-                                     det_slots="sorted") == GIB_ + 455 * 2048 * 576 * 4
+                                     det_sum="sorted") == GIB_ + 455 * 2048 * 576 * 4
 
 
 def test_planner_counts_the_sparse_backward_buffers_in_the_working_set():

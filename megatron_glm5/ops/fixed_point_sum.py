@@ -1,4 +1,5 @@
-"""Order-independent sums through int64 fixed point: the deterministic mode of our sparse-MLA backward's dkv.
+"""Order-independent sums through int64 fixed point: the deterministic mode of our sparse-MLA backward's dkv and
+of the indexer KL's d_k_idx.
 
 fp32 atomic adds give a result that depends on the order the adds land in; integer adds do not (integer addition
 is associative).  So each fp32 contribution v is scaled by a power of two s, rounded to the nearest integer and
@@ -9,7 +10,7 @@ per-contribution buffer.
 The scale comes from a bound B on the sum of the absolute values of an accumulator's contributions, computed on
 the device before the kernel (no host synchronisation): s = 2^floor(FIXED_BITS - log2 B), so the magnitude of every
 partial sum stays below 2^FIXED_BITS < 2^63 (no wrap-around) and the resolution is B / 2^FIXED_BITS.  For the sparse
-MLA dkv (``sparse_mla_dkv_bound``) B is loose by about n_q x h over a typical entry (2^21 at S 32768, 64 heads), so a
+MLA dkv (``sparse_mla_dkv_bound``; the indexer KL's d_k_idx: ``indexer_dk_bound``) B is loose by about n_q x h over a typical entry (2^21 at S 32768, 64 heads), so a
 typical entry keeps about 40 bits: far below the fp32 result's and the bf16 gradient's own rounding.
 
 A kernel that adds such contributions also raises a flag (int32, ``new_flag``) when one of them is not finite or
@@ -57,6 +58,21 @@ def sparse_mla_dkv_bound(q: torch.Tensor, kv: torch.Tensor, d_out_norms: torch.T
     n = d_out_norms.float()
     per_row = (float(softmax_scale) * q_abs * (n * v_max + delta.float().abs()) + n).amax()
     return per_row * (float(n_q * h) * SAFETY)
+
+
+def indexer_dk_bound(q_idx: torch.Tensor, weights: torch.Tensor, idx_scale: float) -> torch.Tensor:
+    """A 0-dim fp32 bound on sum_{t,h} |contribution| of any d_k_idx entry of the indexer KL
+    (d_k_idx_j = sum_{t,h} da_thj q_idx_th, da_thj = g_tj w_th idx_scale where a_thj > 0): g = softmax(z) - target
+    has |g_tj| <= 1 (both in [0, 1]), so summed over the at most T queries
+
+        B = T idx_scale max_t (sum_h |w_th|) max |q_idx| x SAFETY."""
+    n_q = q_idx.shape[0]
+    if n_q == 0 or q_idx.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=q_idx.device)
+    lo, hi = torch.aminmax(q_idx)
+    q_abs = torch.maximum(lo.float().abs(), hi.float().abs())
+    w_sum = weights.float().abs().sum(-1).amax()
+    return q_abs * w_sum * (float(idx_scale) * n_q * SAFETY)
 
 
 def new_flag(device) -> torch.Tensor:

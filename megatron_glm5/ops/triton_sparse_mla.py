@@ -30,11 +30,11 @@ dK = dS^T Q (+ P^T dO on the latent part) are then formed one of three ways (BWD
 "slots".  The planning uses host-known values only (n_q, n_keys, topk, the indexer's row bounds): no host
 synchronisation in the backward.  Summing the contributions of different queries ("slots", "in_kernel"):
   * "atomic": fp32 atomic adds straight into dkv -- fast, summation order (and so the last bits) not reproducible;
-  * "deterministic", "slots" (BWD_CONFIG DET_SLOTS "fixed", the default): the same atomics on int64 fixed point --
+  * "deterministic", "slots" (BWD_CONFIG DET_SUM "fixed", the default): the same atomics on int64 fixed point --
     each contribution scaled by a power of two from a bound on the inputs and rounded to an integer
     (``fixed_point_sum``); integer sums do not depend on the adds' order, so the result is bitwise reproducible
     at about the atomic mode's cost;
-  * "deterministic" otherwise ("in_kernel", or DET_SLOTS "sorted"): contributions of a query chunk are written to
+  * "deterministic" otherwise ("in_kernel", or DET_SUM "sorted"): contributions of a query chunk are written to
     a [chunk * rows, D] fp32 buffer, the chunk's rows are stably sorted by key, and a segmented-sum kernel (one
     program per key, its rows found by a binary search in the sorted keys) adds each key's rows in that fixed
     order; chunks are added in order.  Bitwise reproducible.  "dense" is reproducible in both modes (GEMMs,
@@ -100,7 +100,7 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
                   DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128,
                   DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3, ZERO_AHEAD=True,
-                  ZEROS="auto", DET_SLOTS="fixed")
+                  ZEROS="auto", DET_SUM="fixed")
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
 # _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
 # chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_ROWS: at
@@ -112,7 +112,7 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
 # entries its kernel wrote (the selected keys' rows), so nothing is zeroed that was not written (DensePlan);
 # "auto" -- "restore" where n_keys / topk exceeds ZEROS_RESTORE_RATIO (the selected entries a small part of the
 # matrices), else "memset".  The budgets (DET_BUFFER_BYTES, PDS_BUFFER_BYTES), DENSE_KEY_RATIO and
-# ZEROS_RESTORE_RATIO live in ops/sparse_bwd_budget.py, which the memory planner reads too.  DET_SLOTS, how "slots"
+# ZEROS_RESTORE_RATIO live in ops/sparse_bwd_budget.py, which the memory planner reads too.  DET_SUM, how "slots"
 # sums in deterministic mode: "fixed" -- _dkv_kernel's int64 fixed-point atomics (ops/fixed_point_sum.py: the sum
 # independent of the adds' order, at a scale from a bound on the inputs); "sorted" -- per-slot rows, sorted by key,
 # segmented sums (the earlier way)
@@ -877,10 +877,10 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
     mode = _dk_mode(cfg, n_keys, topk, det)
     if mode not in _DK_MODES:
         raise ValueError(f"triton sparse_mla_bwd: unknown DK mode {mode!r} (in_kernel, slots, dense, auto)")
-    det_slots = cfg.get("DET_SLOTS", "fixed")
-    if det_slots not in ("fixed", "sorted"):
-        raise ValueError(f"triton sparse_mla_bwd: unknown DET_SLOTS {det_slots!r} (fixed, sorted)")
-    fixed = det and mode == "slots" and det_slots == "fixed"
+    det_sum = cfg.get("DET_SUM", "fixed")
+    if det_sum not in ("fixed", "sorted"):
+        raise ValueError(f"triton sparse_mla_bwd: unknown DET_SUM {det_sum!r} (fixed, sorted)")
+    fixed = det and mode == "slots" and det_sum == "fixed"
     norms = torch.empty(n_q, h, dtype=torch.float32, device=q.device) if fixed else None
     delta = bwd_delta(out, d_out, d_lse, norms)
     lse = lse.contiguous()
