@@ -60,12 +60,11 @@ DENSE_SWEEP = [
     dict(DENSE_BLOCK_K=64, DENSE_SPLIT=1),
 ]
 # the backward variants timed side by side in one run (overrides of tsm.BWD_CONFIG, or the name of one of its
-# configurations): the default (DK "auto"), each dk formulation ("slots" deterministic: the fixed-point sums;
-# "slots-sorted": the earlier sorted ones), "slots" without the padding skip, and the previous one-kernel backward
-# (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
+# configurations): the default (DK "auto"), each dk formulation, "slots" without the padding skip, and the previous
+# one-kernel backward (dk products per head group inside it, ONE_KERNEL_BWD_CONFIG)
 BWD_VARIANTS = {"auto": {}, "auto-memsets-in-order": dict(ZERO_AHEAD=False, ZEROS="memset"),
                 "auto-memsets": dict(ZEROS="memset"), "auto-kept-zero": dict(ZEROS="restore"),
-                "slots": dict(DK="slots"), "slots-sorted": dict(DK="slots", DET_SUM="sorted"),
+                "slots": dict(DK="slots"),
                 "dense": dict(DK="dense"),
                 "dense-triton-dkv": dict(DK="dense", DENSE_DKV="triton"),
                 "dense-dq-in-kernel": dict(DK="dense", DENSE_DQ=False),
@@ -210,6 +209,8 @@ def _dense_bwd_rows(p, out, lse, reps, add):
     # one buffer kept zero, the written entries zeroed again after each chunk
     variants += [(det, f", head sums, ZEROS {z}", hs, dict(ZEROS=z)) for det in (False, True)
                  for z in ("memset", "restore")]
+    if p.seq > 4096:  # the dense formulation where "auto" takes the Triton backward in atomic mode (DENSE_KEY_RATIO)
+        variants += [(False, ", head sums, DK dense", hs, dict(DK="dense"))]
     if p.seq <= 8192:  # query chunks of the dense formulation; the scattered stores' cost (a diagnostic)
         variants += [(False, f", head sums, {r}-row chunks", hs, dict(DENSE_ROWS=r)) for r in (512, 256)]
         variants += [(False, ", head sums, every step (causal padding computed)", hs, dict(bounded=False)),
@@ -217,7 +218,9 @@ def _dense_bwd_rows(p, out, lse, reps, add):
         variants += [(False, ", head sums, no dS / P stores (wrong dq / dkv: the stores' cost)", hs,
                       dict(write_pds=False))]
     for det, suffix, head_sums, cfg in variants:
-        which = "scores + cuBLAS" if tsm.dense_plan(p.q, p.kv, p.indices, det) is not None else "Triton fallback"
+        plan_cfg = {k: v for k, v in (cfg or {}).items() if k.isupper()}
+        which = ("scores + cuBLAS" if tsm.dense_plan(p.q, p.kv, p.indices, det, plan_cfg) is not None
+                 else "Triton fallback")
         run = functools.partial(tlbws.tilelang_sparse_bwd_dense, p.q, p.kv, p.indices, out, lse, p.d_out, None,
                                 p.scale, DV, deterministic=det, head_sums=head_sums, config=cfg)
         run()  # compiled outside the timing

@@ -53,15 +53,13 @@ MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("p
                 ("cp", True, "dense_chunked"), ("packed", True, "dense_chunked_split1"),
                 ("cp", False, "dense_chunked_split3"), ("empty_rows", False, "dense_host_bounds"),
                 ("cp", True, "dense_chunked_host_bounds"), ("empty_rows", True, "dense_host_bounds_restore"),
-                ("cp", False, "dense_chunked_host_bounds_restore"), ("packed", True, "dense_host_bounds_restore"),
-                ("cp", True, "slots_sorted")]
+                ("cp", False, "dense_chunked_host_bounds_restore"), ("packed", True, "dense_host_bounds_restore")]
 # indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block, form / d_k_idx path); top-k 8 / 16
 # / 12 below, so block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12). Paths
 # (tests/triton_interp_runner.KL_DK): "auto" without host row bounds (slot form: atomics / deterministic rows),
 # "auto_bounds" with them (the slot form's dense d_k_idx in deterministic mode), "dense" (that d_k_idx asked for)
 # with the indexer's host bounds (loose ones), in chunks of 3 query rows, and asked for without bounds (falls back);
-# "tiles" (the tile form, opt-in) likewise; "auto_sorted": the deterministic atomic path's earlier sorted per-slot
-# rows (DET_SUM "sorted"; by default the fixed-point atomics)
+# "tiles" (the tile form, opt-in) likewise
 KL_MODES = [("packed", False, True, 16, "auto"), ("packed", True, False, 8, "auto"), ("cp", True, True, 8, "auto"),
             ("cp", False, False, 16, "auto"), ("empty_rows", False, True, 8, "auto"),
             ("empty_rows", True, True, 16, "auto"), ("packed", False, True, 8, "dense"),
@@ -69,7 +67,7 @@ KL_MODES = [("packed", False, True, 16, "auto"), ("packed", True, False, 8, "aut
             ("cp", False, True, 8, "auto_bounds"), ("empty_rows", True, False, 8, "auto_bounds"),
             ("packed", True, True, 16, "dense_no_bounds"), ("packed", False, True, 8, "tiles"),
             ("cp", True, False, 16, "tiles_chunked"), ("empty_rows", False, True, 8, "tiles_chunked"),
-            ("empty_rows", True, True, 8, "tiles_no_bounds"), ("cp", True, True, 8, "auto_sorted")]
+            ("empty_rows", True, True, 8, "tiles_no_bounds")]
 TOPK_CASES = [("batch2", 5), ("packed", 64), ("cp", 5), ("empty_rows", 64)]  # 64: more than any window
 KL_AFTER_TOPK = [("packed", 6), ("empty_rows", 64), ("cp", 5)]  # (layout, top-k): short and full windows
 
@@ -99,8 +97,6 @@ def build_cases():
         cases[f"kl_{name}"] = dict(kind="kl", q_idx=qi, k_idx=ki, weights=w, idx_scale=0.5, q=q, kv=kv, scale=0.3,
                                    indices=idx, d_v=D_V, token_mask=mask, hook="mix" if name == "cp" else "none",
                                    modes=[m[1:] for m in KL_MODES if m[0] == name])
-        if name == "cp":  # the deterministic sums' order (test_interp_fixed_point_dkv_does_not_depend_on_order)
-            cases["mla_order"] = dict(cases[f"mla_{name}"], kind="mla_order")
         if name == "packed":
             cases["backend"] = dict(kind="backend", q=q, kv=kv, indices=idx, scale=0.3, d_v=D_V, key_start=ks,
                                     query_end=qe)
@@ -108,7 +104,6 @@ def build_cases():
             hs = (torch.rand(idx.shape, generator=g) + 0.1) * (idx >= 0)
             cases["kl_given_target"] = dict(kind="kl_given", q_idx=qi, k_idx=ki, weights=w, idx_scale=0.5,
                                             indices=idx, head_sums=hs)
-            cases["kl_order"] = dict(cases["kl_given_target"], kind="kl_order")
     for name, topk in KL_AFTER_TOPK:  # our indexer's top-k, then the KL (integer inputs: exact scores)
         ks, qe, n_k = LAYOUTS[name]()
         qi, ki, w = int_inputs(ks.numel(), n_k, 4, 16, g, dtype=torch.float32)
@@ -176,29 +171,6 @@ def test_interp_sparse_mla_bwd_variants(interp, name, deterministic, variant):
     if variant.endswith("restore"):  # the kept buffer: all zero and clean after each backward
         for run in (got["first"], got):
             assert run["kept"] and all(zero and not dirty for zero, dirty in run["kept"]), run["kept"]
-
-
-@needs_triton
-def test_interp_fixed_point_dkv_does_not_depend_on_order(interp):
-    """Deterministic "slots" (int64 fixed-point atomics): dq and dkv bitwise the same with the queries in reverse
-    order and in chunks of 3 rows, and within 1e-4 of float64.  The earlier sorted sums (reproducible for one order
-    only) and fp32 atomics change in their last bits with the order; both within 1e-4 of float64.  A broken bound
-    (one row's lse 40 below the forward's: p = e^40) or a NaN in d_out gives an all-NaN dkv, not a wrapped one."""
-    cases, res = interp
-    c, got = cases["mla_order"], res["mla_order"]
-    want = _ref_mla(dict(c, kind="mla"))
-    for order in ("reversed", "chunks"):
-        for a, b in zip(got["fixed", "given"], got["fixed", order]):
-            assert torch.equal(a, b), order
-    for way in ("fixed", "sorted", "atomic"):
-        for order in ("given", "reversed", "chunks"):
-            for g, ref in zip(got[way, order], (want["dq"], want["dkv"])):
-                torch.testing.assert_close(g.to(F64), ref, rtol=1e-4, atol=1e-4, msg=(way, order))
-    for way in ("sorted", "atomic"):  # what the fixed point removes
-        dkv = [got[way, order][1] for order in ("given", "reversed", "chunks")]
-        assert not (torch.equal(dkv[0], dkv[1]) and torch.equal(dkv[0], dkv[2])), way
-    for broken in ("broken_lse", "nan_d_out"):
-        assert torch.isnan(got[broken][1]).all(), broken
 
 
 @needs_triton
@@ -295,24 +267,6 @@ def test_interp_indexer_kl_from_a_given_target_with_the_padding_skip(interp, det
     c = cases["kl_given_target"]
     _assert_kl_close(res["kl_given_target"][deterministic, skip, form],
                      _fp64_kl_from_target(c, c["indices"], c["head_sums"]))
-
-
-@needs_triton
-def test_interp_fixed_point_d_k_idx_does_not_depend_on_order(interp):
-    """The indexer KL in deterministic mode off the dense path (int64 fixed-point atomics): d_k_idx bitwise the same
-    with the queries in reverse order, everything within the fp64 KL's tolerance; the sorted per-slot rows and fp32
-    atomics change in their last bits with the order.  Head sums that are no distribution (a target of 1e6: the
-    bound broken) give an all-NaN d_k_idx, not a wrapped one."""
-    cases, res = interp
-    c, got = cases["kl_order"], res["kl_order"]
-    assert torch.equal(got["fixed", "given"][3], got["fixed", "reversed"][3])
-    want = _fp64_kl_from_target(c, c["indices"], c["head_sums"])
-    for key, r in got.items():
-        if key != "broken":
-            _assert_kl_close(r, want)
-    for way in ("sorted", "atomic"):
-        assert not torch.equal(got[way, "given"][3], got[way, "reversed"][3]), way
-    assert torch.isnan(got["broken"][3]).all()
 
 
 @needs_triton

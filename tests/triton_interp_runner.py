@@ -22,7 +22,6 @@ def run_topk(c):
 
 # backward variants (test_ops_triton.MLA_VARIANTS): BWD_CONFIG overrides, and "chunked" buffers of 3 query rows
 MLA_VARIANTS = {"one_kernel": dict(DK="in_kernel", SKIP_PAD=False), "slots": dict(DK="slots"),
-                "slots_sorted": dict(DK="slots", DET_SUM="sorted"),
                 "dense": dict(DK="dense"), "slots_no_skip": dict(DK="slots", SKIP_PAD=False),
                 "slots_chunked": dict(DK="slots"), "dense_chunked": dict(DK="dense"),
                 "dense_chunked_split1": dict(DK="dense", DENSE_SPLIT=1),
@@ -76,7 +75,6 @@ def run_mla(c):
 KL_DK = {"auto": ({}, False), "auto_bounds": ({}, True), "dense": (dict(FORM="slots", DK="dense"), True),
          "dense_chunked": (dict(FORM="slots", DK="dense", DENSE_ROWS=3), True),
          "dense_no_bounds": (dict(FORM="slots", DK="dense"), False),
-         "auto_sorted": (dict(DET_SUM="sorted"), False),
          "tiles": (dict(FORM="tiles", TILES=dict(BLOCK_N=8)), True),
          "tiles_chunked": (dict(FORM="tiles", TILES=dict(BLOCK_N=16, BLOCK_T=2, ROWS=3)), True),
          "tiles_no_bounds": (dict(FORM="tiles"), False)}
@@ -141,35 +139,6 @@ def run_kl_given(c):
     return out
 
 
-def run_kl_order(c):
-    """indexer_kl_grads from the case's head sums in deterministic mode (DET_SUM fixed / sorted) and with fp32
-    atomics, on the queries as given and in reverse order; then the fixed-point one with one row's head sums far
-    outside a probability distribution (1e6 and -1e6 + 1: a target of 1e6, the bound broken)."""
-    from megatron_glm5.ops import triton_kl
-
-    rev = torch.arange(c["q_idx"].shape[0] - 1, -1, -1)
-    res = {}
-
-    def grads(way, order, head_sums):
-        p = rev if order == "reversed" else torch.arange(c["q_idx"].shape[0])
-        kl, n, d_qi, d_ki, d_w = triton_kl.indexer_kl_grads(
-            c["q_idx"][p], c["k_idx"], c["weights"][p], c["indices"][p], head_sums[p], c["idx_scale"],
-            deterministic=way != "atomic", config=dict(BLOCK_N=8, DET_SUM="sorted" if way == "sorted" else "fixed"))
-        back = p.argsort()
-        return kl, n, d_qi[back], d_ki, d_w[back]
-
-    for way in ("fixed", "sorted", "atomic"):
-        for order in ("given", "reversed"):
-            res[way, order] = grads(way, order, c["head_sums"])
-    broken = c["head_sums"].clone()
-    row = int((c["indices"] >= 0).sum(1).argmax())  # a row with several keys
-    used = (c["indices"][row] >= 0).nonzero().flatten()
-    broken[row, used] = 0.0
-    broken[row, used[0]], broken[row, used[1]] = 1e6, -1e6 + 1
-    res["broken"] = grads("fixed", "given", broken)
-    return res
-
-
 def run_kl_after_topk(c):
     """Our indexer's top-k of the case's inputs, then indexer_kl_grads on it from the case's head sums: with the
     log-sum-exp the indexer remembered (by default), with INDEXER_LSE off, and from an equal copy of q_idx (another
@@ -203,47 +172,8 @@ def run_kl_after_topk(c):
     return out
 
 
-def run_mla_order(c):
-    """The deterministic "slots" backward (DET_SUM fixed / sorted) and the atomic one on the problem, on it with
-    the queries in reverse order, and in chunks of 3 query rows; then the fixed-point one with one row's lse 40
-    below the forward's (p far above 1: the bound broken) and with a NaN in d_out."""
-    from megatron_glm5.ops import triton_sparse_mla as tsm
-
-    q, kv, idx, d_out, d_lse = c["q"], c["kv"], c["indices"], c["d_out"], c["d_lse"]
-    out, lse = tsm.sparse_mla_fwd(q, kv, idx, c["scale"], c["d_v"])
-    rev = torch.arange(q.shape[0] - 1, -1, -1)
-    default, budget = dict(tsm.BWD_CONFIG), tsm.PDS_BUFFER_BYTES
-    res = {}
-
-    def bwd(way, order, lse_=lse, d_out_=d_out):
-        tsm.BWD_CONFIG.update(BLOCK_N=16, H_SPLIT=2, DK="slots", DK_BLOCK_S=16,
-                              DET_SUM="sorted" if way == "sorted" else "fixed")
-        if order == "chunks":
-            tsm.PDS_BUFFER_BYTES = 3 * 2 * idx.shape[1] * 16 * q.element_size()  # 3 query rows per chunk
-        p = rev if order == "reversed" else torch.arange(q.shape[0])
-        try:
-            dq, dkv = tsm.sparse_mla_bwd(q[p], kv, idx[p], out[p], lse_[p], d_out_[p], d_lse[p], c["scale"], c["d_v"],
-                                         deterministic=way != "atomic")
-        finally:
-            tsm.BWD_CONFIG.clear()
-            tsm.BWD_CONFIG.update(default)
-            tsm.PDS_BUFFER_BYTES = budget
-        return dq[p.argsort()], dkv
-
-    for way in ("fixed", "sorted", "atomic"):
-        for order in ("given", "reversed", "chunks"):
-            res[way, order] = bwd(way, order)
-    low = lse.clone()
-    low[1] -= 40.0
-    res["broken_lse"] = bwd("fixed", "given", lse_=low)
-    nan_out = d_out.clone()
-    nan_out[2, 0, 3] = float("nan")
-    res["nan_d_out"] = bwd("fixed", "given", d_out_=nan_out)
-    return res
-
-
 RUNNERS = {"topk": run_topk, "mla": run_mla, "kl": run_kl, "kl_given": run_kl_given, "backend": run_backend,
-           "kl_after_topk": run_kl_after_topk, "mla_order": run_mla_order, "kl_order": run_kl_order}
+           "kl_after_topk": run_kl_after_topk}
 
 
 def main(cases_path, results_path):

@@ -57,14 +57,13 @@ def auto_restores(n_keys: int, topk: int) -> bool:
 
 
 def backward_buffer_bytes(n_q: int, n_keys: int, heads: int, topk: int, d_qk: int = 576, elt: int = 2,
-                          deterministic: Optional[bool] = None, det_sum: str = "fixed") -> int:
+                          deterministic: Optional[bool] = None) -> int:
     """The most the default backward (DK, ZEROS "auto", ZERO_AHEAD on, the indexer's host row bounds known) holds in
     its P / dS and per-slot buffers for ``n_q`` queries of this rank against ``n_keys`` keys with ``heads`` heads
     here, d_qk wide, inputs of ``elt`` bytes: "dense" -- one chunk buffer of 2 x n_keys x rows x heads (the last
     chunk's key end is at most n_keys) kept between backwards ("restore"), or two while a backward of two chunks or
     more runs (the next one zeroed ahead); "slots" -- the [rows, 2, topk, heads padded to 16 / a power of two] buffer, plus in
-    deterministic mode the int64 fixed-point dkv accumulator [n_keys, d_qk] (BWD_CONFIG DET_SUM "fixed", the
-    default) or the fp32 per-slot rows (DET_BUFFER_BYTES at most; DET_SUM "sorted")."""
+    deterministic mode the fp32 per-slot rows (DET_BUFFER_BYTES at most)."""
     det = deterministic_default() if deterministic is None else bool(deterministic)
     if n_q <= 0 or n_keys <= 0 or topk <= 0:
         return 0
@@ -77,9 +76,7 @@ def backward_buffer_bytes(n_q: int, n_keys: int, heads: int, topk: int, d_qk: in
     per_row = 2 * topk * hp * elt
     rows = chunk_rows(n_q, per_row, PDS_BUFFER_BYTES)
     held = rows * per_row
-    if det and det_sum == "fixed":
-        held += n_keys * d_qk * 8  # int64 accumulator
-    elif det:
+    if det:
         det_row = topk * d_qk * 4  # fp32 dkv rows per (query, slot)
         held += chunk_rows(rows, det_row, DET_BUFFER_BYTES) * det_row
     return held

@@ -18,9 +18,8 @@ Two kernels, one program per query token each; nothing of size [T, h, K] or [T, 
   ``KL_CONFIG["DK"]``: "dense" -- the kernel scatters da into a zeroed [keys, (query, head)] matrix per chunk of
   query rows (keys below the chunk's end, from the host row bounds the indexer left for the top-k tensor,
   ``host_windows.row_ends``) and one cuBLAS GEMM with an fp32 result contracts it with the chunk's q_idx:
-  deterministic, no atomics; "atomic" -- fp32 atomics, or in deterministic mode int64 fixed-point atomics
-  (``KL_CONFIG["DET_SUM"]`` "fixed", the default: order-independent, ``fixed_point_sum``) or per-(token, slot) rows
-  reduced by key in a fixed order with the sparse-MLA backward's segmented sum ("sorted").  "auto" (default): "dense" in deterministic
+  deterministic, no atomics; "atomic" -- fp32 atomics, or (deterministic mode) per-(token, slot) rows reduced by
+  key in a fixed order with the sparse-MLA backward's segmented sum.  "auto" (default): "dense" in deterministic
   mode when the bounds are known and n_keys <= DENSE_KEY_RATIO["deterministic"] x top-k, else "atomic".  H200,
   causal, GLM-5's indexer (``benchmarks/fusions.py --parts indexer_kl``, docs/performance.md, session 10): S 4096
   atomic 3.31 / dense 3.35 ms in atomic mode, deterministic rows 5.83 / dense 3.30; S 32768 23.7 / 40.6 and
@@ -42,11 +41,11 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import fixed_point_sum, host_windows, reference, triton_interpret_compat, triton_kl_tiles
+from . import host_windows, reference, triton_interpret_compat, triton_kl_tiles
 from .base import warn_once
-from .triton_sparse_mla import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, LOG2E, PDS_BUFFER_BYTES, _add_fixed, _block_h,
-                                _check, _chunk_rows, _host_chunk_key_ends, _load_query, _load_selected, _mm_fp32, _mma,
-                                _scores, _segment_reduce_into, deterministic_default, used_slot_ends)
+from .triton_sparse_mla import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, LOG2E, PDS_BUFFER_BYTES, _block_h, _check,
+                                _chunk_rows, _host_chunk_key_ends, _load_query, _load_selected, _mm_fp32, _mma, _scores,
+                                _segment_reduce_into, deterministic_default, used_slot_ends)
 
 triton_interpret_compat.apply()
 
@@ -61,10 +60,8 @@ PROB_CONFIG = dict(BLOCK_N=64, num_warps=4, num_stages=3)  # 3.40 ms at S 4096 (
 # atomic / 2.82 deterministic), so not the default
 # INDEXER_LSE: take the logits' log-sum-exp that the indexer remembered under the top-k list
 # (host_windows.selected_lse: the same q_idx, k_idx, weights and scale) instead of the kernel's first pass
-# DET_SUM, d_k_idx's sums on the atomic path in deterministic mode: "fixed" -- int64 fixed-point atomics (the sum
-# independent of their order: ops/fixed_point_sum.py); "sorted" -- per-(token, slot) rows reduced by key in order
 KL_CONFIG = dict(BLOCK_N=32, num_warps=2, num_stages=3, DK="auto", DENSE_ROWS=1024, SKIP_PAD=True, FORM="slots",
-                 INDEXER_LSE=True, DET_SUM="fixed")
+                 INDEXER_LSE=True)
 KL_FALLBACK = dict(BLOCK_N=32, num_warps=4, num_stages=1)
 
 
@@ -155,17 +152,16 @@ def _index_logits_block(IDX_ROW, KI, stride_kit, slot, topk, n_keys, offs_d, qi,
 
 @triton.jit
 def _indexer_kl_kernel(
-    QI, KI, W, IDX, P, CNT, KL, DQI, DW, DKI, BUF, G, ENDS, LSE, TOTAL, SCALE, FLAG,
+    QI, KI, W, IDX, P, CNT, KL, DQI, DW, DKI, BUF, G, ENDS, LSE, TOTAL,
     stride_qit, stride_qih, stride_kit, stride_wt, stride_it, stride_pt,
     t0, n_heads, n_keys, topk, scale, g_stride, key_end,
     DI: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NEED_GRAD: tl.constexpr, ATOMIC: tl.constexpr,
-    DENSE: tl.constexpr, IEEE: tl.constexpr, SKIP_PAD: tl.constexpr, LSE_GIVEN: tl.constexpr, FIXED: tl.constexpr,
+    DENSE: tl.constexpr, IEEE: tl.constexpr, SKIP_PAD: tl.constexpr, LSE_GIVEN: tl.constexpr,
 ):
     """SKIP_PAD: both passes stop after the query's last used slot (ENDS[t]; the slots after it are unused: no
     logit, P 0 there by the contract, no gradient) -- not with per-slot BUF rows, which must all be written.
     LSE_GIVEN: the logits' log-sum-exp (LSE[t], from the indexer) and the target's normaliser (TOTAL[t]) are given,
-    so pass 1 is skipped.  FIXED (with ATOMIC): d_k_idx by int64 fixed-point atomics into the int64 DKI at scale
-    SCALE[0] (FLAG raised for a value it could not add; ``fixed_point_sum``)."""
+    so pass 1 is skipped."""
     tl_ = tl.program_id(0).to(tl.int64)  # row inside this launch's query range
     t = t0 + tl_
     offs_h = tl.arange(0, BLOCK_H)
@@ -220,10 +216,6 @@ def _indexer_kl_kernel(
             if DENSE:  # G[key, row * n_heads + head] of this chunk (zeroed; keys below key_end by the host bounds)
                 gp = G + tl.where(ok, idx, 0)[:, None] * g_stride + tl_ * n_heads + offs_h[None, :]
                 tl.store(gp, tl.trans(da), mask=(ok & (idx < key_end))[:, None] & h_ok[None, :])
-            elif FIXED:
-                dk = _mma(tl.trans(da), qi, tl.zeros([BLOCK_N, DI], tl.float32), IEEE)
-                _add_fixed(DKI + tl.where(ok, idx, 0)[:, None] * DI + offs_d[None, :], dk, ok[:, None],
-                           tl.load(SCALE), FLAG)
             elif ATOMIC:
                 dk = _mma(tl.trans(da), qi, tl.zeros([BLOCK_N, DI], tl.float32), IEEE)
                 tl.atomic_add(DKI + tl.where(ok, idx, 0)[:, None] * DI + offs_d[None, :], dk, mask=ok[:, None],
@@ -295,16 +287,7 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
                 if t is not None:
                     t.zero_()
     dense = need_grad and _dk_dense(cfg0, row_hi, n_keys, topk, deterministic)
-    det_sum = cfg0.get("DET_SUM", "fixed")
-    if det_sum not in ("fixed", "sorted"):
-        raise ValueError(f"triton indexer KL: unknown DET_SUM {det_sum!r} (fixed, sorted)")
-    # deterministic off the dense path: fixed-point atomics, or the sorted per-slot rows (det)
-    fixed = need_grad and deterministic and not dense and det_sum == "fixed"
-    det = need_grad and deterministic and not dense and not fixed  # the dense path is deterministic by itself
-    if fixed:
-        acc = torch.zeros(n_keys, d_i, dtype=torch.int64, device=dev)
-        scale_pair = fixed_point_sum.scales(fixed_point_sum.indexer_dk_bound(q_idx, weights, idx_scale))
-        flag = fixed_point_sum.new_flag(dev)
+    det = need_grad and deterministic and not dense  # the dense path is deterministic by itself
     if dense:
         rows = min(int(cfg0["DENSE_ROWS"]), _chunk_rows(n_q, n_keys * n_heads * k_idx.element_size(),
                                                         PDS_BUFFER_BYTES))
@@ -330,14 +313,12 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
                     g_buf[:key_end * n * n_heads].zero_()
                 _indexer_kl_kernel[(n,)](
                     q_idx, k_idx, weights, indices, head_sums, cnt, kl,
-                    d_qi if need_grad else dummy, d_w if need_grad else dummy,
-                    (acc if fixed else d_ki) if need_grad else dummy, buf,
-                    g_buf, slot_ends, lse_z if lse_given else kl, total, scale_pair if fixed else kl,
-                    flag if fixed else kl, q_idx.stride(0), q_idx.stride(1),
+                    d_qi if need_grad else dummy, d_w if need_grad else dummy, d_ki if need_grad else dummy, buf,
+                    g_buf, slot_ends, lse_z if lse_given else kl, total, q_idx.stride(0), q_idx.stride(1),
                     k_idx.stride(0), weights.stride(0), indices.stride(0), head_sums.stride(0), t0,
                     n_heads, n_keys, topk, float(idx_scale), n * n_heads, key_end,
                     DI=d_i, BLOCK_H=_block_h(n_heads), BLOCK_N=cfg["BLOCK_N"], NEED_GRAD=need_grad, ATOMIC=not det,
-                    DENSE=dense, IEEE=q_idx.dtype == torch.float32, SKIP_PAD=skip, LSE_GIVEN=lse_given, FIXED=fixed,
+                    DENSE=dense, IEEE=q_idx.dtype == torch.float32, SKIP_PAD=skip, LSE_GIVEN=lse_given,
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                 )
                 if dense and key_end > 0:
@@ -345,17 +326,12 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
                                                q_idx[t0:t0 + n].reshape(n * n_heads, d_i))
                 if det:
                     _segment_reduce_into(d_ki, buf, indices[t0:t0 + n], 1)
-            if fixed:
-                d_ki = fixed_point_sum.decode(acc, scale_pair, flag)
             return kl, d_qi, d_ki, d_w
         except OutOfResources:
             if not configs:
                 raise
             if need_grad:
                 d_ki.zero_()
-            if fixed:
-                acc.zero_()
-                flag.zero_()
 
 
 def indexer_kl_loss_sparse(q_idx, k_idx, weights, idx_softmax_scale, q, kv, attn_softmax_scale, indices, d_v,

@@ -30,15 +30,10 @@ dK = dS^T Q (+ P^T dO on the latent part) are then formed one of three ways (BWD
 "slots".  The planning uses host-known values only (n_q, n_keys, topk, the indexer's row bounds): no host
 synchronisation in the backward.  Summing the contributions of different queries ("slots", "in_kernel"):
   * "atomic": fp32 atomic adds straight into dkv -- fast, summation order (and so the last bits) not reproducible;
-  * "deterministic", "slots" (BWD_CONFIG DET_SUM "fixed", the default): the same atomics on int64 fixed point --
-    each contribution scaled by a power of two from a bound on the inputs and rounded to an integer
-    (``fixed_point_sum``); integer sums do not depend on the adds' order, so the result is bitwise reproducible
-    at about the atomic mode's cost;
-  * "deterministic" otherwise ("in_kernel", or DET_SUM "sorted"): contributions of a query chunk are written to
-    a [chunk * rows, D] fp32 buffer, the chunk's rows are stably sorted by key, and a segmented-sum kernel (one
-    program per key, its rows found by a binary search in the sorted keys) adds each key's rows in that fixed
-    order; chunks are added in order.  Bitwise reproducible.  "dense" is reproducible in both modes (GEMMs,
-    chunks in order).
+  * "deterministic": contributions of a query chunk are written to a [chunk * rows, D] fp32 buffer, the chunk's
+    rows are stably sorted by key, and a segmented-sum kernel (one program per key, its rows found by a binary
+    search in the sorted keys) adds each key's rows in that fixed order; chunks are added in order.  Bitwise
+    reproducible.  "dense" is reproducible in both modes (GEMMs, chunks in order).
 Choose with ``deterministic=`` or the env var GLM5_TRITON_DETERMINISTIC (1 / 0).  Default: atomic.  H200
 (docs/design.md, "The Triton sparse-MLA backward"): S 4096 8.6-9.1 ms either mode with dq as a GEMM (10.0 with
 dq in kernel 1; the one-kernel backward 29.3 / 50.5), S 32768 146 atomic / 254 deterministic (session 11).
@@ -75,7 +70,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from . import fixed_point_sum, host_windows, triton_interpret_compat
+from . import host_windows, triton_interpret_compat
 from .base import sparse_mla_autograd, warn_once
 from .sparse_bwd_budget import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, PDS_BUFFER_BYTES,  # noqa: F401 (re-exported)
                                 ZEROS_RESTORE_RATIO, auto_dk_mode, auto_restores, chunk_rows, dense_rows,
@@ -100,7 +95,7 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
                   DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128,
                   DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3, ZERO_AHEAD=True,
-                  ZEROS="auto", DET_SUM="fixed")
+                  ZEROS="auto")
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
 # _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
 # chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_ROWS: at
@@ -112,10 +107,7 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
 # entries its kernel wrote (the selected keys' rows), so nothing is zeroed that was not written (DensePlan);
 # "auto" -- "restore" where n_keys / topk exceeds ZEROS_RESTORE_RATIO (the selected entries a small part of the
 # matrices), else "memset".  The budgets (DET_BUFFER_BYTES, PDS_BUFFER_BYTES), DENSE_KEY_RATIO and
-# ZEROS_RESTORE_RATIO live in ops/sparse_bwd_budget.py, which the memory planner reads too.  DET_SUM, how "slots"
-# sums in deterministic mode: "fixed" -- _dkv_kernel's int64 fixed-point atomics (ops/fixed_point_sum.py: the sum
-# independent of the adds' order, at a scale from a bound on the inputs); "sorted" -- per-slot rows, sorted by key,
-# segmented sums (the earlier way)
+# ZEROS_RESTORE_RATIO live in ops/sparse_bwd_budget.py, which the memory planner reads too
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
@@ -371,32 +363,16 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _add_fixed(ptr, v, mask, s, FLAG):
-    """Add fp32 v * s, rounded to the nearest integer, into the int64 accumulator at ptr (integer atomics: the sum
-    does not depend on their order; ``fixed_point_sum``).  A value that is not finite or exceeds 2^62 (the bound
-    did not hold) is not added and sets FLAG (the decoded sum is then NaN)."""
-    x = v * s
-    bad = ((x != x) | (tl.abs(x) > 4.611686018427388e18)) & mask
-    if tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0:
-        tl.store(FLAG, 1)
-    x = tl.where(bad, 0.0, x)
-    x = tl.where(tl.abs(x) < 8388608.0, tl.floor(x + 0.5), x)  # at and above 2^23 an fp32 is an integer
-    tl.atomic_add(ptr, x.to(tl.int64), mask=mask, sem="relaxed")
-
-
-@triton.jit
 def _dkv_kernel(
-    Q, DO, IDX, PDS, DKV, BUF, SCALE, FLAG,
+    Q, DO, IDX, PDS, DKV, BUF,
     stride_qt, stride_qh, stride_it, stride_dot, stride_doh,
     t0, n_heads, n_keys, topk,
     DV: tl.constexpr, DR: tl.constexpr, HP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
-    ATOMIC: tl.constexpr, IEEE: tl.constexpr, FIXED: tl.constexpr,
+    ATOMIC: tl.constexpr, IEEE: tl.constexpr,
 ):
     """The dkv contributions of one query and BLOCK_S of its top-k slots, all heads contracted in one product:
     dK[slot] = dS^T Q (+ P^T dO on the latent part), M = BLOCK_S slots, K = HP heads, N = D in BLOCK_C columns at
-    a time.  Added into dkv (ATOMIC: fp32 atomics, or with FIXED int64 fixed-point atomics into the int64 DKV at
-    scale SCALE[0], FLAG raised for a value it could not add) or stored as the chunk's (query, slot) rows for the
-    segmented reduction."""
+    a time.  Added into dkv (ATOMIC) or stored as the chunk's (query, slot) rows for the segmented reduction."""
     tl_ = tl.program_id(0).to(tl.int64)
     t = t0 + tl_
     D: tl.constexpr = DV + DR
@@ -420,16 +396,13 @@ def _dkv_kernel(
         out_row = BUF + (tl_ * topk + slot) * D
         o_ok = s_ok
     offs_c = tl.arange(0, BLOCK_C)
-    s = tl.load(SCALE) if FIXED else 1.0
     for c0 in range(0, DV, BLOCK_C):
         qc = tl.load(q_row + c0 + offs_c[None, :], mask=h_ok[:, None], other=0.0)
         doc = tl.load(do_row + c0 + offs_c[None, :], mask=h_ok[:, None], other=0.0)
         acc = _mma(ds_t, qc, tl.zeros([BLOCK_S, BLOCK_C], tl.float32), IEEE)
         acc = _mma(p_t, doc, acc, IEEE)
         ptr = out_row[:, None] + c0 + offs_c[None, :]
-        if FIXED:
-            _add_fixed(ptr, acc, o_ok[:, None], s, FLAG)
-        elif ATOMIC:
+        if ATOMIC:
             tl.atomic_add(ptr, acc, mask=o_ok[:, None], sem="relaxed")
         else:
             tl.store(ptr, acc, mask=o_ok[:, None])
@@ -437,9 +410,7 @@ def _dkv_kernel(
     qr = tl.load(q_row + DV + offs_r[None, :], mask=h_ok[:, None], other=0.0)
     acc = _mma(ds_t, qr, tl.zeros([BLOCK_S, DR], tl.float32), IEEE)
     ptr = out_row[:, None] + DV + offs_r[None, :]
-    if FIXED:
-        _add_fixed(ptr, acc, o_ok[:, None], s, FLAG)
-    elif ATOMIC:
+    if ATOMIC:
         tl.atomic_add(ptr, acc, mask=o_ok[:, None], sem="relaxed")
     else:
         tl.store(ptr, acc, mask=o_ok[:, None])
@@ -522,11 +493,9 @@ def _dense_dkv_kernel(
 
 
 @triton.jit
-def _delta_bwd_kernel(O, DO, DLSE, DELTA, NORM, n_rows, DV: tl.constexpr, BLOCK_R: tl.constexpr,
-                      HAS_DLSE: tl.constexpr, HAS_NORM: tl.constexpr):
+def _delta_bwd_kernel(O, DO, DLSE, DELTA, n_rows, DV: tl.constexpr, BLOCK_R: tl.constexpr, HAS_DLSE: tl.constexpr):
     """Delta[r] = sum_c O[r, c] dO[r, c] (- d_lse[r]) for BLOCK_R rows r = (query, head) of contiguous [rows, DV]
-    O / dO in their own dtype, fp32 products and sum (no fp32 copies of O and dO).  HAS_NORM: also
-    NORM[r] = ||dO[r]||_2 (the fixed-point dkv's bound)."""
+    O / dO in their own dtype, fp32 products and sum (no fp32 copies of O and dO)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < n_rows
     offs = r[:, None] * DV + tl.arange(0, DV)[None, :]
@@ -536,14 +505,10 @@ def _delta_bwd_kernel(O, DO, DLSE, DELTA, NORM, n_rows, DV: tl.constexpr, BLOCK_
     if HAS_DLSE:
         d -= tl.load(DLSE + r, mask=r_ok, other=0.0).to(tl.float32)
     tl.store(DELTA + r, d, mask=r_ok)
-    if HAS_NORM:
-        tl.store(NORM + r, tl.sqrt(tl.sum(do * do, axis=1)), mask=r_ok)
 
 
-def bwd_delta(out: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor],
-              norms: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """fp32 [T, h]: rowsum(dO * O) - d_lse, the softmax backward's per-row term (one small kernel).  norms: an fp32
-    [T, h] tensor also filled with the rows' ||dO||_2 in the same pass."""
+def bwd_delta(out: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tensor]) -> torch.Tensor:
+    """fp32 [T, h]: rowsum(dO * O) - d_lse, the softmax backward's per-row term (one small kernel)."""
     n_q, h, d_v = out.shape
     out = out.contiguous()
     delta = torch.empty(n_q, h, dtype=torch.float32, device=out.device)
@@ -551,9 +516,8 @@ def bwd_delta(out: torch.Tensor, d_out: torch.Tensor, d_lse: Optional[torch.Tens
         return delta
     dl = d_lse.contiguous() if d_lse is not None else delta  # an unused pointer without d_lse
     block_r = max(1, min(16, 4096 // d_v))  # 8 rows of 512: 64 fp32 registers per thread and operand
-    _delta_bwd_kernel[(triton.cdiv(n_q * h, block_r),)](
-        out, d_out.contiguous(), dl, delta, delta if norms is None else norms, n_q * h, DV=d_v, BLOCK_R=block_r,
-        HAS_DLSE=d_lse is not None, HAS_NORM=norms is not None, num_warps=4)
+    _delta_bwd_kernel[(triton.cdiv(n_q * h, block_r),)](out, d_out, dl, delta, n_q * h, DV=d_v, BLOCK_R=block_r,
+                                                     HAS_DLSE=d_lse is not None, num_warps=4)
     return delta
 
 
@@ -874,15 +838,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
     if head_sums is not None and (head_sums.shape != indices.shape or head_sums.dtype != torch.float32
                                   or not head_sums.is_contiguous()):
         raise ValueError(f"head_sums must be a contiguous fp32 [T, topk] = {tuple(indices.shape)} tensor")
-    mode = _dk_mode(cfg, n_keys, topk, det)
-    if mode not in _DK_MODES:
-        raise ValueError(f"triton sparse_mla_bwd: unknown DK mode {mode!r} (in_kernel, slots, dense, auto)")
-    det_sum = cfg.get("DET_SUM", "fixed")
-    if det_sum not in ("fixed", "sorted"):
-        raise ValueError(f"triton sparse_mla_bwd: unknown DET_SUM {det_sum!r} (fixed, sorted)")
-    fixed = det and mode == "slots" and det_sum == "fixed"
-    norms = torch.empty(n_q, h, dtype=torch.float32, device=q.device) if fixed else None
-    delta = bwd_delta(out, d_out, d_lse, norms)
+    delta = bwd_delta(out, d_out, d_lse)
     lse = lse.contiguous()
     dq = torch.empty_like(q) if dq is None else dq
     dkv = torch.zeros(n_keys, d, dtype=torch.float32, device=q.device)
@@ -890,15 +846,13 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         if head_sums is not None:
             head_sums.zero_()
         return dq.zero_(), dkv.to(kv.dtype)
-    if fixed:  # int64 fixed-point atomics into acc at a scale from the inputs' bound (fixed_point_sum)
-        acc = torch.zeros(n_keys, d, dtype=torch.int64, device=q.device)
-        scale_pair = fixed_point_sum.scales(fixed_point_sum.sparse_mla_dkv_bound(q, kv, norms, delta,
-                                                                                 softmax_scale, d_v))
-        flag = fixed_point_sum.new_flag(q.device)
     hp = _block_h(h)
     elt = q.element_size()
     configs = [cfg] + [dict(cfg, **c) for c in BWD_FALLBACKS if config is None and dict(cfg, **c) != cfg]
     ends = None
+    mode = _dk_mode(cfg, n_keys, topk, det)
+    if mode not in _DK_MODES:
+        raise ValueError(f"triton sparse_mla_bwd: unknown DK mode {mode!r} (in_kernel, slots, dense, auto)")
     # every size below is host-known (n_q, n_keys, topk): no host synchronisation in the planning
     dense_rows = _dense_rows(n_q, n_keys, h, elt, cfg)
     while True:
@@ -916,7 +870,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
             rows = _chunk_rows(n_q, 2 * topk * hp * elt, PDS_BUFFER_BYTES)
         else:
             rows = dense_rows
-        det_rows = det and det_row > 0 and not fixed
+        det_rows = det and det_row > 0
         if det_rows:
             rows = min(rows, _chunk_rows(n_q, det_row, DET_BUFFER_BYTES))
         starts = list(range(0, n_q, rows))
@@ -960,12 +914,11 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
                 if mode == "slots":
                     block_s = min(int(cfg["DK_BLOCK_S"]), max(16, triton.next_power_of_2(topk)))
                     _dkv_kernel[(n, triton.cdiv(topk, block_s))](
-                        q, d_out, indices, pds, acc if fixed else dkv, buf, scale_pair if fixed else delta,
-                        flag if fixed else delta,
+                        q, d_out, indices, pds, dkv, buf,
                         q.stride(0), q.stride(1), indices.stride(0), d_out.stride(0), d_out.stride(1),
                         t0, h, n_keys, topk,
                         DV=d_v, DR=d_rope, HP=hp, BLOCK_S=block_s, BLOCK_C=min(int(cfg["DK_BLOCK_C"]), d_v),
-                        ATOMIC=not det or fixed, IEEE=q.dtype == torch.float32, FIXED=fixed,
+                        ATOMIC=not det, IEEE=q.dtype == torch.float32,
                         num_warps=cfg["DK_num_warps"], num_stages=cfg["DK_num_stages"],
                     )
                 elif plan is not None:
@@ -976,17 +929,12 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
                     _segment_reduce_into(dkv, buf, indices[t0:t0 + n], 1 if mode == "slots" else h_split)
             if head_sums is not None and h_split > 1:
                 torch.sum(hs, 0, out=head_sums)  # the groups in a fixed order
-            if fixed:
-                dkv = fixed_point_sum.decode(acc, scale_pair, flag)
             return dq, dkv.to(kv.dtype)
         except OutOfResources:
             if not configs:
                 raise
             # nothing has been written for this launch configuration's first launch: retry with the next one
             dkv.zero_()
-            if fixed:
-                acc.zero_()
-                flag.zero_()
 
 
 _DK_MODES = {"in_kernel": 0, "slots": 1, "dense": 2}
