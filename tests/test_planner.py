@@ -258,6 +258,16 @@ def test_sparse_backward_buffer_bytes(n_q, n_keys, heads, det, want):
     assert backward_buffer_bytes(n_q, n_keys, heads, 2048, deterministic=det) == want
 
 
+@pytest.mark.parametrize("seq,det,want", [(4096, False, "dense"), (16384, False, "dense"), (24576, False, "slots"),
+                                          (32768, False, "slots"), (32768, True, "dense"), (65536, True, "slots")])
+def test_the_backwards_dk_formulation_by_keys_per_slot(seq, det, want):
+    """DK "auto" at causal lengths with top-k 2048: dense up to 8 keys per slot in atomic mode (16384; the H100's
+    measured crossover lies between 8 and 12), 20 in deterministic mode."""
+    from megatron_glm5.ops.sparse_bwd_budget import auto_dk_mode
+
+    assert auto_dk_mode(seq, 2048, det) == want
+
+
 def test_planner_counts_the_sparse_backward_buffers_in_the_working_set():
     """--attn triton at 4096 tokens: 2 GiB more working set than --attn cudnn (whose backward is cuDNN's) on a middle
     stage of the LoRA recipe; the dense warm-up stage runs no sparse backward; at 8192 tokens the kept buffer (1 GiB)

@@ -14,10 +14,12 @@ DET_BUFFER_BYTES = 2 << 30
 # bytes of the p / ds chunk buffers of the "slots" and "dense" backward
 PDS_BUFFER_BYTES = 1 << 30
 # "auto" picks "dense" while n_keys / topk (host-known: the keys "dense" may multiply per query against the slots
-# "slots" adds) is at most this, per dkv mode.  H200, benchmarks/dsa_kernels.py (docs/design.md), causal, where the
-# keys really multiplied are about half of n_keys: at S 4096 (n_keys / topk 2) "dense" is faster in both modes; at
-# S 32768 (16) "slots" is faster atomic and "dense" deterministic (no sort, no segmented sums)
-DENSE_KEY_RATIO = {"atomic": 4.0, "deterministic": 20.0}
+# "slots" adds) is at most this, per dkv mode.  benchmarks/dsa_kernels.py (docs/performance.md, sessions 10 and 15),
+# causal, where the keys really multiplied are about half of n_keys: "dense" is faster in both modes at S 4096-16384
+# (n_keys / topk 2-8; H100, session 15, atomic at 16384: our TileLang scores + cuBLAS 60.3 ms against the Triton
+# "slots" backward's 72.7, Triton's own dense 68.2 against 70.3); at S 24576 (12) and 32768 (16) "slots" is faster
+# atomic (121.2 against 128.3 ms; 173.3 against 210.7) and "dense" deterministic (no sort, no segmented sums)
+DENSE_KEY_RATIO = {"atomic": 8.0, "deterministic": 20.0}
 # BWD_CONFIG ZEROS "auto": the dense plan keeps its buffer zero between backwards ("restore") where n_keys / topk
 # exceeds this (the selected entries a small part of the matrices), else it zeroes each chunk's ("memset")
 ZEROS_RESTORE_RATIO = 2.0

@@ -26,7 +26,7 @@ dK = dS^T Q (+ P^T dO on the latent part) are then formed one of three ways (BWD
     read, so the buffer is zeroed once per call;
   * "in_kernel": the earlier one-kernel backward (ONE_KERNEL_BWD_CONFIG), the products per head group inside
     kernel 1.
-"auto" (the default) takes "dense" where n_keys / topk is small enough (DENSE_KEY_RATIO: S 4096 causal), else
+"auto" (the default) takes "dense" where n_keys / topk is small enough (DENSE_KEY_RATIO: S 4096-16384 causal), else
 "slots".  The planning uses host-known values only (n_q, n_keys, topk, the indexer's row bounds): no host
 synchronisation in the backward.  Summing the contributions of different queries ("slots", "in_kernel"):
   * "atomic": fp32 atomic adds straight into dkv -- fast, summation order (and so the last bits) not reproducible;
