@@ -133,3 +133,12 @@ def test_proxy_step_config_overrides():
     for bad in ("ZEROS", "NOPE=1"):
         with pytest.raises(SystemExit, match="--bwd-config: expected KEY=VALUE"):
             config_overrides([bad], cfg, "--bwd-config")
+
+
+def test_l2_persistence_benchmark_parses_its_arguments():
+    """benchmarks/l2_persistence.py (GPU only: the CUDA runtime's access-policy window) imports and answers --help on
+    CPU; its figures are in docs/performance.md."""
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks/l2_persistence.py"), "--help"], capture_output=True,
+                       text=True, timeout=120, cwd=REPO / "benchmarks")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--seqs" in r.stdout and "L2" in r.stdout
