@@ -211,6 +211,8 @@ def _dense_bwd_rows(p, out, lse, reps, add):
                  for z in ("memset", "restore")]
     if p.seq > 4096:  # the dense formulation where "auto" takes the Triton backward in atomic mode (DENSE_KEY_RATIO)
         variants += [(False, ", head sums, DK dense", hs, dict(DK="dense"))]
+        # the dense formulation for the leading rows only, "slots" for the rest (BWD_CONFIG DENSE_PREFIX)
+        variants += [(det, ", head sums, dense prefix", hs, dict(DENSE_PREFIX=True)) for det in (False, True)]
     if p.seq <= 8192:  # query chunks of the dense formulation; the scattered stores' cost (a diagnostic)
         variants += [(False, f", head sums, {r}-row chunks", hs, dict(DENSE_ROWS=r)) for r in (512, 256)]
         variants += [(False, ", head sums, every step (causal padding computed)", hs, dict(bounded=False)),
@@ -219,7 +221,8 @@ def _dense_bwd_rows(p, out, lse, reps, add):
                       dict(write_pds=False))]
     for det, suffix, head_sums, cfg in variants:
         plan_cfg = {k: v for k, v in (cfg or {}).items() if k.isupper()}
-        which = ("scores + cuBLAS" if tsm.dense_plan(p.q, p.kv, p.indices, det, plan_cfg) is not None
+        which = ("scores + cuBLAS, then Triton slots" if tsm.dense_prefix_split(p.q, p.kv, p.indices, det, plan_cfg)
+                 else "scores + cuBLAS" if tsm.dense_plan(p.q, p.kv, p.indices, det, plan_cfg) is not None
                  else "Triton fallback")
         run = functools.partial(tlbws.tilelang_sparse_bwd_dense, p.q, p.kv, p.indices, out, lse, p.d_out, None,
                                 p.scale, DV, deterministic=det, head_sums=head_sums, config=cfg)

@@ -296,3 +296,106 @@ def test_gpu_dense_backward_padded_heads_rows_without_keys_and_lse_gradient():
     assert rel_l2(got_dq, want_dq) <= 1e-2 and rel_l2(got_dkv, want_dkv) <= 1e-2, (
         rel_l2(got_dq, want_dq), rel_l2(got_dkv, want_dkv))
     assert rel_l2(hs, _reference_head_sums(q, kv, idx, 0.04, lse)) <= 1e-3
+
+
+def _low_then_high_inputs(n_q, n_k, topk, seed, step=10):
+    """Row t selects distinct keys of [0, step (t + 1)): the last keys rise with the row, as in a causal sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n_q, 64, DQK, generator=gen).bfloat16()
+    kv = torch.randn(n_k, DQK, generator=gen).bfloat16()
+    idx = torch.full((n_q, topk), -1, dtype=torch.int32)
+    for t in range(n_q):
+        keys = torch.randperm(min(n_k, step * (t + 1)), generator=gen)[:topk]
+        idx[t, :keys.numel()] = keys.int()
+    return q, kv, idx
+
+
+@pytest.mark.parametrize("deterministic,with_dlse", [(False, True), (True, False)])
+def test_dense_prefix_takes_the_low_rows_and_slots_the_rest(monkeypatch, deterministic, with_dlse):
+    """DENSE_PREFIX: the leading rows whose last key is below PREFIX_KEY_RATIO x top-k (atomic 6 x 8 = 48,
+    deterministic 10 x 8 = 80) go to the dense formulation (the stand-in scores kernel + cuBLAS products), the rest
+    to the Triton "slots" backward (a float64 stand-in here), dq and the head sums in place, dkv summed: together the
+    reference's gradients.  Without DENSE_PREFIX nothing is split."""
+    made = _stand_in(monkeypatch)
+    monkeypatch.setattr(tsm, "MIN_PREFIX_ROWS", 2)
+    n_q, n_k, topk, scale = 14, 150, 8, 0.05
+    q, kv, idx = _low_then_high_inputs(n_q, n_k, topk, seed=7)
+    gen = torch.Generator().manual_seed(2)
+    d_out = torch.randn(n_q, 64, DV, generator=gen).bfloat16()
+    d_lse = torch.randn(n_q, 64, generator=gen) if with_dlse else None
+    out, lse, want_dq, want_dkv = _reference_grads(q, kv, idx, scale, d_out, d_lse)
+    _remember_bounds(idx)
+    limit = (10 if deterministic else 6) * topk
+    prefix = int((idx.max(1).values >= limit).int().argmax())  # the first row reaching the limit
+    assert 2 <= prefix < n_q
+    slots = []
+
+    def slots_stand_in(q_, kv_, idx_, out_, lse_, d_out_, d_lse_, scale_, d_v, det, config=None, dq=None,
+                       head_sums=None, dkv_dtype=None):
+        assert det == deterministic
+        slots.append((q_.shape[0], config, dkv_dtype))
+        qr, kvr = q_.double().requires_grad_(), kv_.double().requires_grad_()
+        o, l_ = reference.sparse_mla(qr, kvr, idx_.long(), scale_, d_v)
+        loss = (o * d_out_.double()).sum()
+        if d_lse_ is not None:
+            loss = loss + (l_.masked_fill(torch.isneginf(l_), 0.0) * d_lse_.double()).sum()
+        loss.backward()
+        dq.copy_(qr.grad)
+        head_sums.copy_(_reference_head_sums(q_, kv_, idx_, scale_, lse_))
+        return dq, kvr.grad.to(dkv_dtype or kv_.dtype)
+
+    monkeypatch.setattr(tsm, "sparse_mla_bwd", slots_stand_in)
+    dq, hs = torch.full_like(q, float("nan")), torch.full(idx.shape, float("nan"))
+    got_dq, got_dkv = tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, d_lse, scale, DV,
+                                                      deterministic=deterministic, dq=dq, head_sums=hs,
+                                                      config=dict(DENSE_PREFIX=True))
+    assert sum(n for n, _ in made[0].calls) == prefix and slots == [(n_q - prefix, dict(DK="slots"), torch.float32)]
+    assert got_dq.data_ptr() == dq.data_ptr() and got_dkv.dtype == kv.dtype
+    assert not got_dq.isnan().any() and not hs.isnan().any()
+    assert rel_l2(got_dq, want_dq) <= 1e-2 and rel_l2(got_dkv, want_dkv) <= 1e-2
+    assert rel_l2(hs, _reference_head_sums(q, kv, idx, scale, lse)) <= 1e-3
+    # off (the default): no split -- 150 keys / top-k 8 = 18.75 keys per slot: every row dense in deterministic mode
+    # (DENSE_KEY_RATIO 20), every row to the Triton backward in atomic mode (8)
+    made.clear()
+    slots.clear()
+    tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, d_lse, scale, DV, deterministic=deterministic,
+                                    dq=dq, head_sums=hs)
+    if deterministic:
+        assert sum(n for n, _ in made[0].calls) == n_q and not slots
+    else:
+        assert not made and slots == [(n_q, None, None)]
+
+
+def test_dense_prefix_rows_counts_the_leading_rows_below_the_limit():
+    from megatron_glm5.ops.sparse_bwd_budget import dense_prefix_rows
+
+    bounds = torch.tensor([-1, 5, 47, 30, 48, 2, 100])  # top-k 8, atomic: limit 48 -> rows 0-3
+    assert dense_prefix_rows(bounds, 8, False) == 4
+    assert dense_prefix_rows(bounds, 8, True) == 6  # limit 80: stops at 100
+    assert dense_prefix_rows(bounds[:4], 8, False) == 4 and dense_prefix_rows(bounds[:0], 8, False) == 0
+
+
+@gpu
+@needs_gpu_tilelang
+def test_gpu_dense_prefix_split_matches_the_reference():
+    """DENSE_PREFIX on the GPU: 600 rows whose windows grow by 6 keys a row, top-k 256 (limits 1,536 / 2,560 keys:
+    about the first 255 / 426 rows dense, the rest Triton "slots"), head sums NaN-poisoned: dq, dkv and the head sums
+    against the fp32 reference in both modes, the deterministic one bitwise the same twice."""
+    q, kv, idx = (t.cuda() for t in _low_then_high_inputs(600, 4000, 256, seed=11, step=6))
+    _remember_bounds(idx)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    d_out = torch.randn(600, 64, DV, device="cuda", generator=gen).bfloat16()
+    out, lse, want_dq, want_dkv = _reference_grads(q, kv, idx, 0.04, d_out, None)
+    want_hs = _reference_head_sums(q, kv, idx, 0.04, lse)
+    assert 256 <= tsm.dense_prefix_split(q, kv, idx, False, dict(DENSE_PREFIX=True)) < 600
+    runs = []
+    for det in (False, True, True):
+        hs = torch.full(idx.shape, float("nan"), device="cuda")
+        got_dq, got_dkv = tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, None, 0.04, DV,
+                                                          deterministic=det, head_sums=hs,
+                                                          config=dict(DENSE_PREFIX=True))
+        for got, want, key in ((got_dq, want_dq, "dq"), (got_dkv, want_dkv, "dkv")):
+            assert not got.isnan().any() and rel_l2(got, want) <= 1e-2, (key, det, rel_l2(got, want))
+        assert not hs.isnan().any() and rel_l2(hs, want_hs) <= 1e-3
+        runs.append((got_dq, got_dkv, hs))
+    assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[2]))

@@ -20,6 +20,12 @@ PDS_BUFFER_BYTES = 1 << 30
 # "slots" backward's 72.7, Triton's own dense 68.2 against 70.3); at S 24576 (12) and 32768 (16) "slots" is faster
 # atomic (121.2 against 128.3 ms; 173.3 against 210.7) and "dense" deterministic (no sort, no segmented sums)
 DENSE_KEY_RATIO = {"atomic": 8.0, "deterministic": 20.0}
+# BWD_CONFIG DENSE_PREFIX (our TileLang backward): past the rows whose host-known last key is below this x topk the
+# dense formulation costs more per row than "slots" (a per-row fit of the H100's session-15 figures: about
+# 0.92 us + 0.34 ns x key end per row dense, 5.1 us atomic / 7.7 us deterministic "slots"), so a backward may take
+# it for those leading rows only (causal: the first ones) and "slots" for the rest; at least MIN_PREFIX_ROWS rows
+PREFIX_KEY_RATIO = {"atomic": 6.0, "deterministic": 10.0}
+MIN_PREFIX_ROWS = 256
 # BWD_CONFIG ZEROS "auto": the dense plan keeps its buffer zero between backwards ("restore") where n_keys / topk
 # exceeds this (the selected entries a small part of the matrices), else it zeroes each chunk's ("memset")
 ZEROS_RESTORE_RATIO = 2.0
@@ -51,6 +57,14 @@ def auto_dk_mode(n_keys: int, topk: int, deterministic: bool) -> str:
     the host) are at most DENSE_KEY_RATIO x the top-k slots per query that "slots" adds into dkv, else "slots"."""
     ratio = n_keys / max(1, min(topk, n_keys))
     return "dense" if ratio <= DENSE_KEY_RATIO["deterministic" if deterministic else "atomic"] else "slots"
+
+
+def dense_prefix_rows(row_hi, topk: int, deterministic: bool) -> int:
+    """How many leading rows of a top-k list whose rows' last keys are ``row_hi`` (host int64 [T], -1: no keys)
+    have them below PREFIX_KEY_RATIO x topk: the rows the dense formulation takes with DENSE_PREFIX."""
+    limit = PREFIX_KEY_RATIO["deterministic" if deterministic else "atomic"] * max(1, topk)
+    over = (row_hi.reshape(-1) >= limit).nonzero()
+    return int(over[0, 0]) if over.numel() else int(row_hi.numel())
 
 
 def auto_restores(n_keys: int, topk: int) -> bool:

@@ -42,6 +42,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import host_windows
 from . import triton_sparse_mla as tsm
 from .base import pad_topk, warn_once
 from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, bounded_steps, check_tiles, compiled_kernel,
@@ -265,13 +266,15 @@ def _pad_heads(x: torch.Tensor, pad: int, value: float = 0.0) -> torch.Tensor:
 
 def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float, d_v: int,
                               deterministic: Optional[bool] = None, config: Optional[dict] = None,
-                              dq: Optional[torch.Tensor] = None,
-                              head_sums: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                              dq: Optional[torch.Tensor] = None, head_sums: Optional[torch.Tensor] = None,
+                              dkv_dtype: Optional[torch.dtype] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(dq like q, dkv like kv): ``triton_sparse_mla.sparse_mla_bwd``'s contract (head_sums included) with this
     module's kernel and cuBLAS, where the dense formulation applies (``triton_sparse_mla.dense_plan``: the
     indexer's host row bounds known, few enough keys per slot); elsewhere, and for inputs the kernel does not
     take, the Triton backward (said once per reason).  Deterministic in both modes.  config: PDS_WS_CONFIG's keys
-    and the dense plan's (upper case, triton_sparse_mla.BWD_CONFIG's: DENSE_ROWS)."""
+    and the dense plan's (upper case, triton_sparse_mla.BWD_CONFIG's: DENSE_ROWS).  With BWD_CONFIG's DENSE_PREFIX
+    (``triton_sparse_mla.dense_prefix_split``) the leading rows whose keys all lie low take this formulation and
+    the rest the Triton "slots" backward, their fp32 dkv summed.  dkv_dtype: as sparse_mla_bwd's."""
     if head_sums is not None and (head_sums.shape != indices.shape or head_sums.dtype != torch.float32
                                   or not head_sums.is_contiguous()):
         raise ValueError(f"head_sums must be a contiguous fp32 [T, topk] = {tuple(indices.shape)} tensor, got "
@@ -279,6 +282,10 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
     cfg = dict(PDS_WS_CONFIG, **(config or {}))
     plan_cfg = {k: cfg.pop(k) for k in list(cfg) if k.isupper()}  # the dense plan's BWD_CONFIG keys (DENSE_ROWS)
     why = pds_ws_unsupported_reason(q, kv, d_v)
+    split = tsm.dense_prefix_split(q, kv, indices, deterministic, plan_cfg) if why is None else 0
+    if split:
+        return _dense_prefix_then_slots(split, q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v,
+                                        deterministic, config, dq, head_sums, dkv_dtype)
     plan = tsm.dense_plan(q, kv, indices, deterministic, plan_cfg) if why is None else None
     if why is None and plan is None:
         why = ("the dense formulation does not apply here (top-k lists without the indexer's host row bounds, or "
@@ -286,7 +293,7 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
     if why is not None:
         warn_once("tilelang", why)
         return tsm.sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v, deterministic,
-                                  dq=dq, head_sums=head_sums)
+                                  dq=dq, head_sums=head_sums, dkv_dtype=dkv_dtype)
     fast = {"tl.enable_fast_math": True} if cfg.pop("fast_math", False) else None
     n_q, h, d_qk = q.shape
     n_keys, topk = kv.shape[0], indices.shape[1]
@@ -310,4 +317,30 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
         elif head_sums is not None:
             head_sums[t0:t0 + n].zero_()
         plan.products(dkv, dq, kc, n, t0, q, d_out, kv, d_v)
-    return dq, dkv.to(kv.dtype)
+    return dq, dkv.to(dkv_dtype or kv.dtype)
+
+
+def _dense_prefix_then_slots(rows, q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v, deterministic, config,
+                             dq, head_sums, dkv_dtype):
+    """Query rows [0, rows) in the dense formulation (this module's kernel + cuBLAS; their host row bounds carried
+    over to the slice), the rest by the Triton backward's "slots"; dq and the head sums written in place per part,
+    the two fp32 dkv summed in that order (deterministic when both parts are)."""
+    row_hi = host_windows.row_ends(indices)  # the caller's list (dense_prefix_split found its bounds)
+    q, d_out, out, lse = q.contiguous(), d_out.contiguous(), out.contiguous(), lse.contiguous()
+    dq = torch.empty_like(q) if dq is None else dq
+    parts = (slice(0, rows), slice(rows, q.shape[0]))
+    idx_a = indices[parts[0]]
+    host_windows.remember_row_ends(idx_a, row_hi[parts[0]])
+    dkv = []
+    for part, idx, cfg in ((parts[0], idx_a, dict(config or {}, DK="dense", DENSE_PREFIX=False)),
+                           (parts[1], indices[parts[1]], None)):
+        args = (q[part], kv, idx, out[part], lse[part], d_out[part], None if d_lse is None else d_lse[part],
+                softmax_scale, d_v, deterministic)
+        hs = None if head_sums is None else head_sums[part]
+        if cfg is not None:
+            dkv.append(tilelang_sparse_bwd_dense(*args, config=cfg, dq=dq[part], head_sums=hs,
+                                                 dkv_dtype=torch.float32)[1])
+        else:
+            dkv.append(tsm.sparse_mla_bwd(*args, config=dict(DK="slots"), dq=dq[part], head_sums=hs,
+                                          dkv_dtype=torch.float32)[1])
+    return dq, (dkv[0] + dkv[1]).to(dkv_dtype or kv.dtype)

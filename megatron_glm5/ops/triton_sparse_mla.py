@@ -72,9 +72,9 @@ from triton.runtime.errors import OutOfResources
 
 from . import host_windows, triton_interpret_compat
 from .base import sparse_mla_autograd, warn_once
-from .sparse_bwd_budget import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, PDS_BUFFER_BYTES,  # noqa: F401 (re-exported)
-                                ZEROS_RESTORE_RATIO, auto_dk_mode, auto_restores, chunk_rows, dense_rows,
-                                deterministic_default)
+from .sparse_bwd_budget import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, MIN_PREFIX_ROWS,  # noqa: F401 (re-exported)
+                                PDS_BUFFER_BYTES, ZEROS_RESTORE_RATIO, auto_dk_mode, auto_restores, chunk_rows,
+                                dense_prefix_rows, dense_rows, deterministic_default)
 
 triton_interpret_compat.apply()
 
@@ -95,7 +95,7 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
                   DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128,
                   DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3, ZERO_AHEAD=True,
-                  ZEROS="auto")
+                  ZEROS="auto", DENSE_PREFIX=False)
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
 # _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
 # chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_ROWS: at
@@ -107,7 +107,9 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
 # entries its kernel wrote (the selected keys' rows), so nothing is zeroed that was not written (DensePlan);
 # "auto" -- "restore" where n_keys / topk exceeds ZEROS_RESTORE_RATIO (the selected entries a small part of the
 # matrices), else "memset".  The budgets (DET_BUFFER_BYTES, PDS_BUFFER_BYTES), DENSE_KEY_RATIO and
-# ZEROS_RESTORE_RATIO live in ops/sparse_bwd_budget.py, which the memory planner reads too
+# ZEROS_RESTORE_RATIO live in ops/sparse_bwd_budget.py, which the memory planner reads too.  DENSE_PREFIX (read by
+# our TileLang backward, dense_prefix_split): with the indexer's host row bounds and DK "auto", the dense formulation
+# for the leading rows whose last key is below PREFIX_KEY_RATIO x topk and "slots" for the rest (dense_prefix_rows)
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
@@ -820,10 +822,25 @@ def _dk_mode(cfg: dict, n_keys: int, topk: int, det: bool) -> str:
     return auto_dk_mode(n_keys, topk, det) if mode == "auto" else mode
 
 
+def dense_prefix_split(q, kv, indices, deterministic: Optional[bool] = None, config: Optional[dict] = None) -> int:
+    """The rows a backward with BWD_CONFIG's DENSE_PREFIX takes in the dense formulation before "slots" takes the
+    rest (sparse_bwd_budget.dense_prefix_rows on the indexer's host row bounds), or 0: no split (DENSE_PREFIX off,
+    DK not "auto", no host bounds, fewer than MIN_PREFIX_ROWS such rows, or all rows)."""
+    cfg = dict(BWD_CONFIG, **(config or {}))
+    row_hi = host_windows.row_ends(indices)
+    if not cfg.get("DENSE_PREFIX") or cfg.get("DK", "auto") != "auto" or row_hi is None:
+        return 0
+    det = deterministic_default() if deterministic is None else bool(deterministic)
+    rows = dense_prefix_rows(row_hi, indices.shape[1], det)
+    return rows if MIN_PREFIX_ROWS <= rows < q.shape[0] else 0
+
+
 def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float, d_v: int,
                    deterministic: Optional[bool] = None, config: Optional[dict] = None,
-                   dq: Optional[torch.Tensor] = None, head_sums: Optional[torch.Tensor] = None):
-    """(dq like q, dkv like kv).  d_lse may be None; dq may be given (contiguous, written in full).
+                   dq: Optional[torch.Tensor] = None, head_sums: Optional[torch.Tensor] = None,
+                   dkv_dtype: Optional[torch.dtype] = None):
+    """(dq like q, dkv like kv, or of dkv_dtype: torch.float32 gives the fp32 sums unrounded).  d_lse may be None; dq
+    may be given (contiguous, written in full).
     config: BWD_CONFIG's keys (DK: "in_kernel", "slots", "dense" or "auto"; see there).
     head_sums: a contiguous fp32 [T, topk] tensor that kernel 1 fills, in full, with the indexer KL target's head
     sums (``triton_kl.head_summed_probs``'s result for the forward's lse), from the p it recomputes anyway."""
@@ -845,7 +862,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
     if n_q == 0 or topk == 0:
         if head_sums is not None:
             head_sums.zero_()
-        return dq.zero_(), dkv.to(kv.dtype)
+        return dq.zero_(), dkv.to(dkv_dtype or kv.dtype)
     hp = _block_h(h)
     elt = q.element_size()
     configs = [cfg] + [dict(cfg, **c) for c in BWD_FALLBACKS if config is None and dict(cfg, **c) != cfg]
@@ -929,7 +946,7 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
                     _segment_reduce_into(dkv, buf, indices[t0:t0 + n], 1 if mode == "slots" else h_split)
             if head_sums is not None and h_split > 1:
                 torch.sum(hs, 0, out=head_sums)  # the groups in a fixed order
-            return dq, dkv.to(kv.dtype)
+            return dq, dkv.to(dkv_dtype or kv.dtype)
         except OutOfResources:
             if not configs:
                 raise
