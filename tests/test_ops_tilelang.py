@@ -393,12 +393,13 @@ def test_deferred_kl_through_the_tilelang_backend(monkeypatch):
         o, l_ = reference.sparse_mla(q.float(), kv.float(), indices.long(), scale, d_v)
         return o.to(q.dtype), l_
 
-    def fake_bwd(q, kv, indices, out, lse, d_out, d_lse, scale, d_v, deterministic, dq=None, head_sums=None):
+    def fake_bwd(q, kv, indices, out, lse, d_out, d_lse, scale, d_v, deterministic, dq=None, head_sums=None,
+                 dkv_dtype=None):
         calls.append(("bwd", deterministic))
         head_sums.copy_(written)
         with torch.enable_grad():
             _, _, g_q, g_kv = _reference_grads(q.detach(), kv.detach(), indices, scale, d_out, d_lse)
-        return g_q.to(q.dtype), g_kv.to(kv.dtype)
+        return g_q.to(q.dtype), g_kv.to(dkv_dtype or kv.dtype)
 
     def fake_kl_grads(q_idx, k_idx, weights, indices, head_sums, **kw):
         got["head_sums"] = head_sums.clone()
