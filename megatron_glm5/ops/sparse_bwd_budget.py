@@ -18,7 +18,8 @@ PDS_BUFFER_BYTES = 1 << 30
 # causal, where the keys really multiplied are about half of n_keys: "dense" is faster in both modes at S 4096-16384
 # (n_keys / topk 2-8; H100, session 15, atomic at 16384: our TileLang scores + cuBLAS 60.3 ms against the Triton
 # "slots" backward's 72.7, Triton's own dense 68.2 against 70.3); at S 24576 (12) and 32768 (16) "slots" is faster
-# atomic (121.2 against 128.3 ms; 173.3 against 210.7) and "dense" deterministic (no sort, no segmented sums)
+# atomic (121.2 against 128.3 ms; 173.3 against 210.7, the dense formulation timed in deterministic mode -- the same
+# computation in both) and "dense" deterministic (no sort, no segmented sums)
 DENSE_KEY_RATIO = {"atomic": 8.0, "deterministic": 20.0}
 # BWD_CONFIG DENSE_PREFIX (our TileLang backward): past the rows whose host-known last key is below this x topk the
 # dense formulation costs more per row than "slots" (a per-row fit of the H100's session-15 figures: about
