@@ -209,6 +209,8 @@ def _dense_bwd_rows(p, out, lse, reps, add):
     # one buffer kept zero, the written entries zeroed again after each chunk
     variants += [(det, f", head sums, ZEROS {z}", hs, dict(ZEROS=z)) for det in (False, True)
                  for z in ("memset", "restore")]
+    # dkv's fp32 sums as before mm_fp32_add_: each product into an fp32 matrix of its own, then added
+    variants += [(det, ", head sums, fp32 products added after", hs, dict(adds_after=True)) for det in (False, True)]
     if p.seq > 4096:  # the dense formulation where "auto" takes the Triton backward in atomic mode (DENSE_KEY_RATIO)
         variants += [(False, ", head sums, DK dense", hs, dict(DK="dense"))]
         # the dense formulation for the leading rows only, "slots" for the rest (BWD_CONFIG DENSE_PREFIX)
@@ -219,16 +221,24 @@ def _dense_bwd_rows(p, out, lse, reps, add):
                      (False, ", head sums, stores from the register tiles", hs, dict(staged=False))]
         variants += [(False, ", head sums, no dS / P stores (wrong dq / dkv: the stores' cost)", hs,
                       dict(write_pds=False))]
+    fused_add = tsm.mm_fp32_add_
     for det, suffix, head_sums, cfg in variants:
+        cfg = dict(cfg) if cfg else None
+        adds_after = bool(cfg and cfg.pop("adds_after", False))
         plan_cfg = {k: v for k, v in (cfg or {}).items() if k.isupper()}
         which = ("scores + cuBLAS, then Triton slots" if tsm.dense_prefix_split(p.q, p.kv, p.indices, det, plan_cfg)
                  else "scores + cuBLAS" if tsm.dense_plan(p.q, p.kv, p.indices, det, plan_cfg) is not None
                  else "Triton fallback")
         run = functools.partial(tlbws.tilelang_sparse_bwd_dense, p.q, p.kv, p.indices, out, lse, p.d_out, None,
                                 p.scale, DV, deterministic=det, head_sums=head_sums, config=cfg)
-        run()  # compiled outside the timing
-        add(f"sparse_mla bwd (our TileLang {which}, {'deterministic' if det else 'atomic'}{suffix})",
-            timed(run, p.refill, reps), 2.5 * p.fwd_flop)
+        tsm.mm_fp32_add_ = (lambda acc, a, b: acc.add_(tsm._mm_fp32(a, b))) if adds_after else fused_add
+        try:
+            run()  # compiled outside the timing
+            add(f"sparse_mla bwd (our TileLang {which}, {'deterministic' if det else 'atomic'}{suffix})",
+                timed(run, p.refill, reps), 2.5 * p.fwd_flop)
+        finally:
+            tsm.mm_fp32_add_ = fused_add
+    log(f"dkv sums in cuBLAS's epilogue (torch.addmm into fp32): {tsm._addmm_into_fp32(torch.bfloat16)}")
 
 
 def profile_dense_bwd(seq, log, config=None):

@@ -505,6 +505,42 @@ def test_gpu_dense_backward_zero_ahead_is_bitwise_the_same(det):
     dense_zero_ahead_runs(backward)
 
 
+def _fp32_add_case(device):
+    """An fp32 matrix, the view of it that mm_fp32_add_ adds into (rows and columns cut: strided), bf16 operands."""
+    g = torch.Generator().manual_seed(7)
+    acc = torch.randn(100, 576, generator=g).to(device)
+    a = torch.randn(64, 300, generator=g).to(device, torch.bfloat16)
+    b = torch.randn(300, 512, generator=g).to(device, torch.bfloat16)
+    return acc, a, b
+
+
+def test_mm_fp32_add_into_a_strided_view_leaves_the_rest():
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    acc, a, b = _fp32_add_case("cpu")
+    before = acc.clone()
+    tsm.mm_fp32_add_(acc[:64, :512], a, b)
+    want = before[:64, :512].double() + a.double() @ b.double()
+    assert (acc[:64, :512].double() - want).abs().max() <= 1e-4 * want.abs().max()
+    assert torch.equal(acc[64:], before[64:]) and torch.equal(acc[:, 512:], before[:, 512:])
+
+
+@gpu
+@needs_cuda
+def test_gpu_mm_fp32_add_into_a_strided_view():
+    """On the GPU the sum goes through cuBLAS's epilogue where torch allows it (torch.addmm out_dtype into the fp32
+    view): the same as the fp32 product added afterwards, within fp32 rounding, and nothing outside the view."""
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    acc, a, b = _fp32_add_case("cuda")
+    before = acc.clone()
+    tsm.mm_fp32_add_(acc[:64, :512], a, b)
+    want = before[:64, :512] + tsm._mm_fp32(a, b)
+    print("fused addmm:", tsm._addmm_into_fp32(torch.bfloat16))
+    assert (acc[:64, :512] - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(acc[64:], before[64:]) and torch.equal(acc[:, 512:], before[:, 512:])
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("layout", ["causal", "packed"])

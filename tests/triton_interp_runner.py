@@ -86,7 +86,7 @@ def run_kl(c):
 
     lse = triton_sparse_mla.sparse_mla_fwd(c["q"], c["kv"], c["indices"], c["scale"], c["d_v"])[1]
     res = {}
-    real_mm, real_tiles = triton_kl._mm_fp32, triton_kl_tiles.kl_tiles
+    real_mm, real_tiles = triton_kl.mm_fp32_add_, triton_kl_tiles.kl_tiles
     for det, with_lse, block_n, dk in c["modes"]:
         overrides, bounds = KL_DK[dk]
         indices = c["indices"].clone()
@@ -95,7 +95,7 @@ def run_kl(c):
             host_windows.remember_row_ends(indices, torch.where(top >= 0, (top + 2).clamp(max=c["kv"].shape[0] - 1),
                                                                 -1))
         products, tiles = [], []
-        triton_kl._mm_fp32 = lambda a, b: products.append(1) or real_mm(a, b)
+        triton_kl.mm_fp32_add_ = lambda acc, a, b: products.append(1) or real_mm(acc, a, b)
         triton_kl_tiles.kl_tiles = lambda *a, **k: tiles.append(1) or real_tiles(*a, **k)
         q_idx = c["q_idx"].clone().requires_grad_()
         k_idx = c["k_idx"].clone().requires_grad_()
@@ -105,7 +105,7 @@ def run_kl(c):
             token_mask=c.get("token_mask"), head_sum_reduce=HOOKS[c.get("hook", "none")],
             attn_lse=lse if with_lse else None, deterministic=det, config=dict(BLOCK_N=block_n, **overrides))
         kl.backward()
-        triton_kl._mm_fp32, triton_kl_tiles.kl_tiles = real_mm, real_tiles
+        triton_kl.mm_fp32_add_, triton_kl_tiles.kl_tiles = real_mm, real_tiles
         res[det, with_lse, block_n, dk] = dict(kl=kl.detach(), n=n, d_q_idx=q_idx.grad, d_k_idx=k_idx.grad,
                                                d_w=w.grad, dense=bool(products), tiles=bool(tiles))
     return res

@@ -44,8 +44,8 @@ from triton.runtime.errors import OutOfResources
 from . import host_windows, reference, triton_interpret_compat, triton_kl_tiles
 from .base import warn_once
 from .triton_sparse_mla import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, LOG2E, PDS_BUFFER_BYTES, _block_h, _check,
-                                _chunk_rows, _host_chunk_key_ends, _load_query, _load_selected, _mm_fp32, _mma, _scores,
-                                _segment_reduce_into, deterministic_default, used_slot_ends)
+                                _chunk_rows, _host_chunk_key_ends, _load_query, _load_selected, _mma, _scores,
+                                _segment_reduce_into, deterministic_default, mm_fp32_add_, used_slot_ends)
 
 triton_interpret_compat.apply()
 
@@ -322,8 +322,8 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                 )
                 if dense and key_end > 0:
-                    d_ki[:key_end] += _mm_fp32(g_buf[:key_end * n * n_heads].view(key_end, n * n_heads),
-                                               q_idx[t0:t0 + n].reshape(n * n_heads, d_i))
+                    mm_fp32_add_(d_ki[:key_end], g_buf[:key_end * n * n_heads].view(key_end, n * n_heads),
+                                 q_idx[t0:t0 + n].reshape(n * n_heads, d_i))
                 if det:
                     _segment_reduce_into(d_ki, buf, indices[t0:t0 + n], 1)
             return kl, d_qi, d_ki, d_w

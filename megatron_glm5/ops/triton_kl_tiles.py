@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import triton_interpret_compat
-from .triton_sparse_mla import _block_h, _mm_fp32, _mma
+from .triton_sparse_mla import _block_h, _mma, mm_fp32_add_
 
 triton_interpret_compat.apply()
 
@@ -171,4 +171,4 @@ def kl_tiles(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, need
             IEEE=q_idx.dtype == torch.float32, num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
         )
         if need_grad:
-            d_ki[:kc] += _mm_fp32(g.view(kc, n * n_heads), q_idx[t0:t0 + n].reshape(n * n_heads, d_i))
+            mm_fp32_add_(d_ki[:kc], g.view(kc, n * n_heads), q_idx[t0:t0 + n].reshape(n * n_heads, d_i))

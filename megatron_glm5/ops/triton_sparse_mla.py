@@ -563,8 +563,8 @@ def _dense_dkv_mm(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v):
     p = pds[p_off:p_off + kc * n * h].view(kc, n * h)
     qc = q[t0:t0 + n].reshape(n * h, -1)
     doc = d_out[t0:t0 + n].reshape(n * h, -1)
-    dkv[:kc] += _mm_fp32(ds, qc)
-    dkv[:kc, :d_v] += _mm_fp32(p, doc)
+    mm_fp32_add_(dkv[:kc], ds, qc)
+    mm_fp32_add_(dkv[:kc, :d_v], p, doc)
 
 
 @triton.jit
@@ -776,6 +776,33 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype != torch.float32 and a.is_cuda and _mm_has_out_dtype(a.dtype):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
+
+
+@functools.lru_cache(maxsize=None)
+def _addmm_into_fp32(dtype: torch.dtype) -> bool:
+    """Whether this torch's torch.addmm adds a 16-bit CUDA product into an fp32 matrix in place (out_dtype=float32,
+    the fp32 matrix as input and out: cuBLAS's epilogue does the sum).  Probed once per dtype on a 16 x 16 product
+    (no host synchronisation: an unsupported combination raises); torch builds whose addmm.dtype wants the input
+    in the operands' dtype refuse it, and the sum then goes through an fp32 product (_mm_fp32)."""
+    acc = torch.zeros(16, 16, dtype=torch.float32, device="cuda")
+    x = torch.ones(16, 16, dtype=dtype, device="cuda")
+    try:
+        torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
+        return True
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def mm_fp32_add_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b for an fp32 ``acc`` (a view of a larger matrix allowed) and 16-bit or fp32 operands: on a GPU
+    one cuBLAS GEMM that adds into acc in its epilogue where torch allows it (no fp32 product in memory, no
+    separate add kernel; the dense backward's dkv and the indexer KL's d_k_idx add one per query chunk), else
+    acc += _mm_fp32(a, b).  The same fp32 sum of the same fp32 product either way."""
+    if (a.is_cuda and a.dtype != torch.float32 and acc.dtype == torch.float32 and _mm_has_out_dtype(a.dtype)
+            and _addmm_into_fp32(a.dtype)):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += _mm_fp32(a, b)
 
 
 def _host_chunk_key_ends(row_hi: torch.Tensor, starts, rows: int, n_keys: int) -> list:
