@@ -238,7 +238,7 @@ def _dense_bwd_rows(p, out, lse, reps, add):
                 timed(run, p.refill, reps), 2.5 * p.fwd_flop)
         finally:
             tsm.mm_fp32_add_ = fused_add
-    log(f"dkv sums in cuBLAS's epilogue (torch.addmm into fp32): {tsm._addmm_into_fp32(torch.bfloat16)}")
+    print(f"dkv sums in cuBLAS's epilogue (torch.addmm into fp32): {tsm._addmm_into_fp32(torch.bfloat16)}")
 
 
 def profile_dense_bwd(seq, log, config=None):

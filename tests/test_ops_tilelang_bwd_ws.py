@@ -354,8 +354,8 @@ def test_dense_prefix_takes_the_low_rows_and_slots_the_rest(monkeypatch, determi
     assert not got_dq.isnan().any() and not hs.isnan().any()
     assert rel_l2(got_dq, want_dq) <= 1e-2 and rel_l2(got_dkv, want_dkv) <= 1e-2
     assert rel_l2(hs, _reference_head_sums(q, kv, idx, scale, lse)) <= 1e-3
-    # off (the default): no split -- 150 keys / top-k 8 = 18.75 keys per slot: every row dense in deterministic mode
-    # (DENSE_KEY_RATIO 20), every row to the Triton backward in atomic mode (8)
+    # the default, "atomic": 150 keys / top-k 8 = 18.75 keys per slot -- atomic mode's "auto" takes "slots" for the
+    # whole (more than DENSE_KEY_RATIO 8), so the same split; deterministic mode (20): every row dense, no split
     made.clear()
     slots.clear()
     tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, d_lse, scale, DV, deterministic=deterministic,
@@ -363,7 +363,32 @@ def test_dense_prefix_takes_the_low_rows_and_slots_the_rest(monkeypatch, determi
     if deterministic:
         assert sum(n for n, _ in made[0].calls) == n_q and not slots
     else:
+        assert sum(n for n, _ in made[0].calls) == prefix and slots == [(n_q - prefix, dict(DK="slots"),
+                                                                            torch.float32)]
+        # off: no split -- every row to the Triton backward
+        made.clear()
+        slots.clear()
+        tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, d_lse, scale, DV, deterministic=False,
+                                        dq=dq, head_sums=hs, config=dict(DENSE_PREFIX=False))
         assert not made and slots == [(n_q, None, None)]
+
+
+@pytest.mark.parametrize("setting,n_keys,det,want", [
+    (False, 32768, False, False), (True, 4096, True, True),  # never / always
+    ("atomic", 32768, False, True), ("atomic", 24576, False, True),  # 16, 12 keys per slot: "auto" takes slots
+    ("atomic", 16384, False, False),  # 8 keys per slot: "auto" takes dense for the whole
+    ("atomic", 32768, True, False),  # deterministic: not by default
+])
+def test_dense_prefix_applies_by_setting_mode_and_length(setting, n_keys, det, want):
+    from megatron_glm5.ops.sparse_bwd_budget import prefix_applies
+
+    assert prefix_applies(setting, n_keys, 2048, det) is want
+
+
+def test_dense_prefix_setting_is_checked():
+    with pytest.raises(ValueError, match="DENSE_PREFIX must be False, 'atomic' or True, got 'yes'"):
+        tsm.dense_prefix_split(torch.zeros(4, 64, DQK), torch.zeros(300, DQK), torch.zeros(4, 8, dtype=torch.int32),
+                               False, dict(DENSE_PREFIX="yes"))
 
 
 def test_dense_prefix_rows_counts_the_leading_rows_below_the_limit():

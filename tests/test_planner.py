@@ -258,6 +258,26 @@ def test_sparse_backward_buffer_bytes(n_q, n_keys, heads, det, want):
     assert backward_buffer_bytes(n_q, n_keys, heads, 2048, deterministic=det) == want
 
 
+@pytest.mark.parametrize("n_keys,det,held,kept", [
+    # atomic, slots (16 keys per slot) + the dense prefix's kept buffer: rows below 6 x 2048 = 12,288 keys, in
+    # chunks sized for all 32,768 keys (128 rows): 2 x 12288 x 128 x 64 x 2 B = 384 MiB
+    (32768, False, GIB_ + 384 * 2**20, 384 * 2**20),
+    # 24,576 keys: 170-row chunks (1 GiB / (2 x 24576 x 64 x 2 B)): 2 x 12288 x 170 x 64 x 2 B
+    (24576, False, GIB_ + 2 * 12288 * 170 * 64 * 2, 2 * 12288 * 170 * 64 * 2),
+    (16384, False, GIB_, GIB_),  # dense for the whole (8 keys per slot), kept zero: no prefix
+    (32768, True, GIB_, GIB_),  # deterministic: dense, no prefix by default
+])
+def test_sparse_backward_buffer_bytes_with_the_dense_prefix(n_keys, det, held, kept):
+    """Our TileLang backward (BWD_CONFIG's default DENSE_PREFIX "atomic") keeps its dense prefix's buffer zero
+    between backwards on top of the "slots" buffer; figures worked out by hand."""
+    from megatron_glm5.ops.sparse_bwd_budget import backward_buffer_bytes, kept_buffer_bytes
+
+    assert backward_buffer_bytes(n_keys, n_keys, 64, 2048, deterministic=det, dense_prefix=True) == held
+    assert kept_buffer_bytes(n_keys, n_keys, 64, 2048, deterministic=det, dense_prefix=True) == kept
+    assert kept_buffer_bytes(n_keys, n_keys, 64, 2048, deterministic=det) == (0 if n_keys > 16384 and not det
+                                                                              else GIB_)
+
+
 @pytest.mark.parametrize("seq,det,want", [(4096, False, "dense"), (16384, False, "dense"), (24576, False, "slots"),
                                           (32768, False, "slots"), (32768, True, "dense"), (65536, True, "slots")])
 def test_the_backwards_dk_formulation_by_keys_per_slot(seq, det, want):

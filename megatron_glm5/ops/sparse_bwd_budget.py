@@ -24,7 +24,10 @@ DENSE_KEY_RATIO = {"atomic": 8.0, "deterministic": 20.0}
 # BWD_CONFIG DENSE_PREFIX (our TileLang backward): past the rows whose host-known last key is below this x topk the
 # dense formulation costs more per row than "slots" (a per-row fit of the H100's session-15 figures: about
 # 0.92 us + 0.34 ns x key end per row dense, 5.1 us atomic / 7.7 us deterministic "slots"), so a backward may take
-# it for those leading rows only (causal: the first ones) and "slots" for the rest; at least MIN_PREFIX_ROWS rows
+# it for those leading rows only (causal: the first ones) and "slots" for the rest; at least MIN_PREFIX_ROWS rows.
+# Measured (H100, session 16, with head sums): atomic 164.8 against 173.8 ms at S 32768 and 111.7 against 122.0 at
+# 24576 (where "auto" takes "slots"), 58.4 against 57.6 at 16384 (where it takes "dense"); deterministic 197.2
+# against 203.0 at 32768, 123.9 against 121.8 at 24576 -- hence the default "atomic" (prefix_applies)
 PREFIX_KEY_RATIO = {"atomic": 6.0, "deterministic": 10.0}
 MIN_PREFIX_ROWS = 256
 # BWD_CONFIG ZEROS "auto": the dense plan keeps its buffer zero between backwards ("restore") where n_keys / topk
@@ -68,19 +71,45 @@ def dense_prefix_rows(row_hi, topk: int, deterministic: bool) -> int:
     return int(over[0, 0]) if over.numel() else int(row_hi.numel())
 
 
+def prefix_applies(setting, n_keys: int, topk: int, deterministic: bool) -> bool:
+    """Whether BWD_CONFIG's DENSE_PREFIX ``setting`` lets a backward split off a dense prefix (given enough rows
+    below the limit): False -- never; "atomic" (the default) -- in atomic mode where DK "auto" takes "slots" for
+    the whole (more than DENSE_KEY_RATIO keys per slot: the only place it measured faster); True -- both modes,
+    at any length."""
+    if setting is True:
+        return True
+    if setting is False or setting is None:
+        return False
+    if setting != "atomic":
+        raise ValueError(f"BWD_CONFIG DENSE_PREFIX must be False, 'atomic' or True, got {setting!r}")
+    return not deterministic and auto_dk_mode(n_keys, topk, False) == "slots"
+
+
+def dense_prefix_buffer_bytes(n_q: int, n_keys: int, heads: int, topk: int, elt: int = 2) -> int:
+    """The most a DENSE_PREFIX backward's dense part keeps in its zeroed P / dS buffer on causal lists: chunks sized
+    for all n_keys (dense_rows) over at most min(n_q, limit) prefix rows, their key ends below the limit
+    (PREFIX_KEY_RATIO["atomic"] x topk) -- an upper bound for every rank (with CP, a rank whose first chunk of rows
+    lies below the limit takes that chunk as its prefix)."""
+    limit = int(PREFIX_KEY_RATIO["atomic"] * max(1, topk))
+    rows = dense_rows(min(n_q, limit), n_keys, heads, elt, PDS_BUFFER_BYTES)
+    return 2 * min(n_keys, limit) * rows * heads * elt
+
+
 def auto_restores(n_keys: int, topk: int) -> bool:
     """ZEROS "auto" on a device where the restore kernel runs: keep the buffer zero ("restore")?"""
     return n_keys > ZEROS_RESTORE_RATIO * topk
 
 
 def backward_buffer_bytes(n_q: int, n_keys: int, heads: int, topk: int, d_qk: int = 576, elt: int = 2,
-                          deterministic: Optional[bool] = None) -> int:
+                          deterministic: Optional[bool] = None, dense_prefix: bool = False) -> int:
     """The most the default backward (DK, ZEROS "auto", ZERO_AHEAD on, the indexer's host row bounds known) holds in
     its P / dS and per-slot buffers for ``n_q`` queries of this rank against ``n_keys`` keys with ``heads`` heads
     here, d_qk wide, inputs of ``elt`` bytes: "dense" -- one chunk buffer of 2 x n_keys x rows x heads (the last
     chunk's key end is at most n_keys) kept between backwards ("restore"), or two while a backward of two chunks or
     more runs (the next one zeroed ahead); "slots" -- the [rows, 2, topk, heads padded to 16 / a power of two] buffer, plus in
-    deterministic mode the fp32 per-slot rows (DET_BUFFER_BYTES at most)."""
+    deterministic mode the fp32 per-slot rows (DET_BUFFER_BYTES at most).  ``dense_prefix``: the backward is our
+    TileLang one with BWD_CONFIG's default DENSE_PREFIX, whose dense part (where it applies) keeps its buffer too
+    (kept_buffer_bytes)."""
     det = deterministic_default() if deterministic is None else bool(deterministic)
     if n_q <= 0 or n_keys <= 0 or topk <= 0:
         return 0
@@ -96,4 +125,20 @@ def backward_buffer_bytes(n_q: int, n_keys: int, heads: int, topk: int, d_qk: in
     if det:
         det_row = topk * d_qk * 4  # fp32 dkv rows per (query, slot)
         held += chunk_rows(rows, det_row, DET_BUFFER_BYTES) * det_row
-    return held
+    return held + kept_buffer_bytes(n_q, n_keys, heads, topk, elt, det, dense_prefix)
+
+
+def kept_buffer_bytes(n_q: int, n_keys: int, heads: int, topk: int, elt: int = 2,
+                      deterministic: Optional[bool] = None, dense_prefix: bool = False) -> int:
+    """Of backward_buffer_bytes, what stays allocated between backwards (through the optimizer step): the dense
+    formulation's buffer under ZEROS "restore", or (``dense_prefix``) the dense prefix's."""
+    det = deterministic_default() if deterministic is None else bool(deterministic)
+    if n_q <= 0 or n_keys <= 0 or topk <= 0:
+        return 0
+    if auto_dk_mode(n_keys, topk, det) == "dense":
+        if not auto_restores(n_keys, topk):
+            return 0
+        return 2 * n_keys * dense_rows(n_q, n_keys, heads, elt, PDS_BUFFER_BYTES) * heads * elt
+    if dense_prefix and prefix_applies("atomic", n_keys, topk, det):
+        return dense_prefix_buffer_bytes(n_q, n_keys, heads, topk, elt)
+    return 0

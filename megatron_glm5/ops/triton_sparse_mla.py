@@ -74,7 +74,7 @@ from . import host_windows, triton_interpret_compat
 from .base import sparse_mla_autograd, warn_once
 from .sparse_bwd_budget import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, MIN_PREFIX_ROWS,  # noqa: F401 (re-exported)
                                 PDS_BUFFER_BYTES, ZEROS_RESTORE_RATIO, auto_dk_mode, auto_restores, chunk_rows,
-                                dense_prefix_rows, dense_rows, deterministic_default)
+                                dense_prefix_rows, dense_rows, deterministic_default, prefix_applies)
 
 triton_interpret_compat.apply()
 
@@ -95,7 +95,7 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
                   DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128,
                   DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3, ZERO_AHEAD=True,
-                  ZEROS="auto", DENSE_PREFIX=False)
+                  ZEROS="auto", DENSE_PREFIX="atomic")
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
 # _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
 # chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_ROWS: at
@@ -109,7 +109,8 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
 # matrices), else "memset".  The budgets (DET_BUFFER_BYTES, PDS_BUFFER_BYTES), DENSE_KEY_RATIO and
 # ZEROS_RESTORE_RATIO live in ops/sparse_bwd_budget.py, which the memory planner reads too.  DENSE_PREFIX (read by
 # our TileLang backward, dense_prefix_split): with the indexer's host row bounds and DK "auto", the dense formulation
-# for the leading rows whose last key is below PREFIX_KEY_RATIO x topk and "slots" for the rest (dense_prefix_rows)
+# for the leading rows whose last key is below PREFIX_KEY_RATIO x topk and "slots" for the rest (dense_prefix_rows);
+# "atomic": in atomic mode past DENSE_KEY_RATIO, True: both modes, any length, False: never (prefix_applies)
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
@@ -851,13 +852,15 @@ def _dk_mode(cfg: dict, n_keys: int, topk: int, det: bool) -> str:
 
 def dense_prefix_split(q, kv, indices, deterministic: Optional[bool] = None, config: Optional[dict] = None) -> int:
     """The rows a backward with BWD_CONFIG's DENSE_PREFIX takes in the dense formulation before "slots" takes the
-    rest (sparse_bwd_budget.dense_prefix_rows on the indexer's host row bounds), or 0: no split (DENSE_PREFIX off,
-    DK not "auto", no host bounds, fewer than MIN_PREFIX_ROWS such rows, or all rows)."""
+    rest (sparse_bwd_budget.dense_prefix_rows on the indexer's host row bounds), or 0: no split (DENSE_PREFIX off or
+    not for this mode and length -- prefix_applies --, DK not "auto", no host bounds, fewer than MIN_PREFIX_ROWS such
+    rows, or all rows)."""
     cfg = dict(BWD_CONFIG, **(config or {}))
-    row_hi = host_windows.row_ends(indices)
-    if not cfg.get("DENSE_PREFIX") or cfg.get("DK", "auto") != "auto" or row_hi is None:
-        return 0
     det = deterministic_default() if deterministic is None else bool(deterministic)
+    applies = prefix_applies(cfg.get("DENSE_PREFIX"), kv.shape[0], indices.shape[1], det)  # checks the setting
+    row_hi = host_windows.row_ends(indices)
+    if not applies or cfg.get("DK", "auto") != "auto" or row_hi is None:
+        return 0
     rows = dense_prefix_rows(row_hi, indices.shape[1], det)
     return rows if MIN_PREFIX_ROWS <= rows < q.shape[0] else 0
 

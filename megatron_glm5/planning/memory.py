@@ -18,7 +18,8 @@ The memory options (training/memory_options.py) change the static part (buffers.
 Our sparse-MLA backward (``--attn`` triton, tilelang, flashmla, or auto, which may pick one of them; the sparse stage)
 holds its P / dS buffers while a layer's backward runs (``ops/sparse_bwd_budget.backward_buffer_bytes``: up to
 2 GiB), counted in the working set; where it keeps its buffer zero between backwards (ZEROS "restore", long
-sequences) that buffer also stays through the optimizer step.
+sequences; with ``--attn tilelang`` or auto, also the dense prefix's past 8 keys per top-k slot) that buffer also
+stays through the optimizer step.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ GIB = 1024 ** 3
 CONTEXT_BYTES = int(2.5 * GIB)  # CUDA context, cuBLAS/NCCL workspaces and communicator buffers: an assumption
 FRAGMENTATION = 0.05  # the caching allocator's slack over what tensors hold: an assumption
 OUR_SPARSE_BACKWARD = ("auto", "triton", "tilelang", "flashmla")  # --attn values whose sparse backward is ours
+DENSE_PREFIX_BACKWARD = ("auto", "tilelang")  # ... and may be our TileLang one (BWD_CONFIG's DENSE_PREFIX)
 
 # --recompute-modules (selective recompute): the activation terms each one stops keeping
 _SELECTIVE_DROPS = {
@@ -125,10 +127,10 @@ def sparse_backward_bytes(args, layout) -> tuple:
         return 0, 0
     n_keys = args.seq_length * args.micro_batch_size  # every key row of the micro-batch (CP gathers them)
     n_q, heads, topk = n_keys // layout.cp, max(1, cfg.num_attention_heads // layout.tp), cfg.index_topk
+    prefix = getattr(args, "attn", "auto") in DENSE_PREFIX_BACKWARD
     held = sparse_bwd_budget.backward_buffer_bytes(n_q, n_keys, heads, topk,
-                                                   d_qk=cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    dense = sparse_bwd_budget.auto_dk_mode(n_keys, topk, sparse_bwd_budget.deterministic_default()) == "dense"
-    return held, (held if dense and sparse_bwd_budget.auto_restores(n_keys, topk) else 0)
+                                                   d_qk=cfg.kv_lora_rank + cfg.qk_rope_head_dim, dense_prefix=prefix)
+    return held, sparse_bwd_budget.kept_buffer_bytes(n_q, n_keys, heads, topk, dense_prefix=prefix)
 
 
 def rank_memory(args, layout, chunks, pp_rank: int, static: StaticMemory) -> RankMemory:
