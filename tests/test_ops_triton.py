@@ -505,6 +505,42 @@ def test_gpu_dense_backward_zero_ahead_is_bitwise_the_same(det):
     dense_zero_ahead_runs(backward)
 
 
+@needs_triton
+@pytest.mark.parametrize("config,want", [(None, [64, 32]), (dict(DK="slots"), [64, 32]),
+                                         (dict(DK="slots", BLOCK_N=64), [64])])
+def test_bwd_falls_back_to_smaller_blocks_unless_the_caller_set_a_block_shape(monkeypatch, config, want):
+    """A launch short of shared memory (OutOfResources) is retried with BWD_FALLBACKS' smaller block shape when the
+    caller's config leaves the block shape alone (the dense prefix's "slots" part asks for DK only), but not when it
+    set one.  The kernel is a stand-in that refuses the first launch and records what it was asked."""
+    from triton.runtime.errors import OutOfResources
+
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    launched = []
+
+    class Stop(Exception):
+        pass
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(kw["BLOCK_N"])
+                if len(launched) == 1:
+                    raise OutOfResources(300000, 232448, "shared memory")
+                raise Stop
+            return launch
+
+    monkeypatch.setattr(tsm, "_bwd_kernel", Kernel())
+    monkeypatch.setattr(tsm, "bwd_delta", lambda o, d, l: torch.zeros(o.shape[:2]))
+    q, kv = torch.zeros(4, 16, 576, dtype=torch.bfloat16), torch.zeros(64, 576, dtype=torch.bfloat16)
+    idx = torch.arange(8, dtype=torch.int32).repeat(4, 1)
+    out, d_out, lse = torch.zeros(4, 16, 512, dtype=torch.bfloat16), torch.zeros(4, 16, 512, dtype=torch.bfloat16), \
+        torch.zeros(4, 16)
+    with pytest.raises(Stop if len(want) > 1 else OutOfResources):
+        tsm.sparse_mla_bwd(q, kv, idx, out, lse, d_out, None, 0.1, 512, deterministic=False, config=config)
+    assert launched == want
+
+
 def _fp32_add_case(device):
     """An fp32 matrix, the view of it that mm_fp32_add_ adds into (rows and columns cut: strided), bf16 operands."""
     g = torch.Generator().manual_seed(7)

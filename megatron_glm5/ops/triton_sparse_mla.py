@@ -114,9 +114,11 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
-# tried in order when a configuration needs more shared memory than the GPU has
+# tried in order when a configuration needs more shared memory than the GPU has -- unless the caller's config set
+# one of their keys (a block shape asked for is the one run)
 BWD_FALLBACKS = (dict(BLOCK_N=32, H_SPLIT=4, num_warps=4, num_stages=1),
                  dict(BLOCK_N=16, H_SPLIT=4, num_warps=4, num_stages=1))
+_FALLBACK_KEYS = frozenset(k for c in BWD_FALLBACKS for k in c)
 
 
 def _block_h(h: int) -> int:
@@ -895,7 +897,8 @@ def sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale: float,
         return dq.zero_(), dkv.to(dkv_dtype or kv.dtype)
     hp = _block_h(h)
     elt = q.element_size()
-    configs = [cfg] + [dict(cfg, **c) for c in BWD_FALLBACKS if config is None and dict(cfg, **c) != cfg]
+    shape_given = bool(_FALLBACK_KEYS & set(config or {}))
+    configs = [cfg] + [dict(cfg, **c) for c in BWD_FALLBACKS if not shape_given and dict(cfg, **c) != cfg]
     ends = None
     mode = _dk_mode(cfg, n_keys, topk, det)
     if mode not in _DK_MODES:
