@@ -213,8 +213,10 @@ def _dense_bwd_rows(p, out, lse, reps, add):
     variants += [(det, ", head sums, fp32 products added after", hs, dict(adds_after=True)) for det in (False, True)]
     if p.seq > 4096:  # the dense formulation where "auto" takes the Triton backward in atomic mode (DENSE_KEY_RATIO)
         variants += [(False, ", head sums, DK dense", hs, dict(DK="dense"))]
-        # the dense formulation for the leading rows only, "slots" for the rest (BWD_CONFIG DENSE_PREFIX)
+        # the dense formulation for the leading rows only, "slots" for the rest (BWD_CONFIG DENSE_PREFIX: the default
+        # "atomic" splits in atomic mode past DENSE_KEY_RATIO; True in both modes; False never)
         variants += [(det, ", head sums, dense prefix", hs, dict(DENSE_PREFIX=True)) for det in (False, True)]
+        variants += [(False, ", head sums, no dense prefix", hs, dict(DENSE_PREFIX=False))]
     if p.seq <= 8192:  # query chunks of the dense formulation; the scattered stores' cost (a diagnostic)
         variants += [(False, f", head sums, {r}-row chunks", hs, dict(DENSE_ROWS=r)) for r in (512, 256)]
         variants += [(False, ", head sums, every step (causal padding computed)", hs, dict(bounded=False)),
