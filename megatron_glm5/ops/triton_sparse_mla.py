@@ -800,7 +800,8 @@ def mm_fp32_add_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b for an fp32 ``acc`` (a view of a larger matrix allowed) and 16-bit or fp32 operands: on a GPU
     one cuBLAS GEMM that adds into acc in its epilogue where torch allows it (no fp32 product in memory, no
     separate add kernel; the dense backward's dkv and the indexer KL's d_k_idx add one per query chunk), else
-    acc += _mm_fp32(a, b).  The same fp32 sum of the same fp32 product either way."""
+    acc += _mm_fp32(a, b).  An fp32 sum of an fp32-accumulated product either way; bitwise the same only where
+    cuBLAS picks the same kernel for both (the GPU test allows fp32 rounding)."""
     if (a.is_cuda and a.dtype != torch.float32 and acc.dtype == torch.float32 and _mm_has_out_dtype(a.dtype)
             and _addmm_into_fp32(a.dtype)):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
