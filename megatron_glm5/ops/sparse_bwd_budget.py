@@ -91,8 +91,13 @@ def dense_prefix_buffer_bytes(n_q: int, n_keys: int, heads: int, topk: int, elt:
     (PREFIX_KEY_RATIO["atomic"] x topk) -- an upper bound for every rank (with CP, a rank whose first chunk of rows
     lies below the limit takes that chunk as its prefix)."""
     limit = int(PREFIX_KEY_RATIO["atomic"] * max(1, topk))
-    rows = dense_rows(min(n_q, limit), n_keys, heads, elt, PDS_BUFFER_BYTES)
-    return 2 * min(n_keys, limit) * rows * heads * elt
+    return _dense_buffer_bytes(min(n_q, limit), n_keys, min(n_keys, limit), heads, elt)
+
+
+def _dense_buffer_bytes(n_q: int, n_keys: int, key_end: int, heads: int, elt: int) -> int:
+    """One chunk buffer of the dense formulation: the [key_end, rows x heads] dS and P matrices, rows sized for
+    n_keys (dense_rows, as DensePlan sizes them)."""
+    return 2 * key_end * dense_rows(n_q, n_keys, heads, elt, PDS_BUFFER_BYTES) * heads * elt
 
 
 def auto_restores(n_keys: int, topk: int) -> bool:
@@ -115,9 +120,8 @@ def backward_buffer_bytes(n_q: int, n_keys: int, heads: int, topk: int, d_qk: in
         return 0
     if auto_dk_mode(n_keys, topk, det) == "dense":
         rows = dense_rows(n_q, n_keys, heads, elt, PDS_BUFFER_BYTES)
-        one = 2 * n_keys * rows * heads * elt
         two_ahead = not auto_restores(n_keys, topk) and -(-n_q // rows) > 1
-        return one * (2 if two_ahead else 1)
+        return _dense_buffer_bytes(n_q, n_keys, n_keys, heads, elt) * (2 if two_ahead else 1)
     hp = max(16, 1 << max(0, heads - 1).bit_length())
     per_row = 2 * topk * hp * elt
     rows = chunk_rows(n_q, per_row, PDS_BUFFER_BYTES)
@@ -136,9 +140,7 @@ def kept_buffer_bytes(n_q: int, n_keys: int, heads: int, topk: int, elt: int = 2
     if n_q <= 0 or n_keys <= 0 or topk <= 0:
         return 0
     if auto_dk_mode(n_keys, topk, det) == "dense":
-        if not auto_restores(n_keys, topk):
-            return 0
-        return 2 * n_keys * dense_rows(n_q, n_keys, heads, elt, PDS_BUFFER_BYTES) * heads * elt
+        return _dense_buffer_bytes(n_q, n_keys, n_keys, heads, elt) if auto_restores(n_keys, topk) else 0
     if dense_prefix and prefix_applies("atomic", n_keys, topk, det):
         return dense_prefix_buffer_bytes(n_q, n_keys, heads, topk, elt)
     return 0

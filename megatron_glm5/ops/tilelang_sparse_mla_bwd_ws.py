@@ -343,4 +343,4 @@ def _dense_prefix_then_slots(rows, q, kv, indices, out, lse, d_out, d_lse, softm
         else:
             dkv.append(tsm.sparse_mla_bwd(*args, config=dict(DK="slots"), dq=dq[part], head_sums=hs,
                                           dkv_dtype=torch.float32)[1])
-    return dq, (dkv[0] + dkv[1]).to(dkv_dtype or kv.dtype)
+    return dq, dkv[0].add_(dkv[1]).to(dkv_dtype or kv.dtype)  # in place: no third fp32 [n_keys, d] matrix

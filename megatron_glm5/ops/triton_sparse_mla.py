@@ -786,13 +786,15 @@ def _addmm_into_fp32(dtype: torch.dtype) -> bool:
     """Whether this torch's torch.addmm adds a 16-bit CUDA product into an fp32 matrix in place (out_dtype=float32,
     the fp32 matrix as input and out: cuBLAS's epilogue does the sum).  Probed once per dtype on a 16 x 16 product
     (no host synchronisation: an unsupported combination raises); torch builds whose addmm.dtype wants the input
-    in the operands' dtype refuse it, and the sum then goes through an fp32 product (_mm_fp32)."""
+    in the operands' dtype refuse it, and the sum then goes through an fp32 product (_mm_fp32), said once."""
     acc = torch.zeros(16, 16, dtype=torch.float32, device="cuda")
     x = torch.ones(16, 16, dtype=dtype, device="cuda")
     try:
         torch.addmm(acc, x, x, out_dtype=torch.float32, out=acc)
         return True
-    except (TypeError, RuntimeError, NotImplementedError):
+    except (TypeError, RuntimeError) as e:
+        warn_once("triton", f"torch.addmm does not add a {dtype} product into an fp32 matrix here "
+                  f"({type(e).__name__}); the dense dkv sums write an fp32 product and add it", "fp32 addmm")
         return False
 
 

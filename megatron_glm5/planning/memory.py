@@ -17,9 +17,9 @@ The memory options (training/memory_options.py) change the static part (buffers.
 
 Our sparse-MLA backward (``--attn`` triton, tilelang, flashmla, or auto, which may pick one of them; the sparse stage)
 holds its P / dS buffers while a layer's backward runs (``ops/sparse_bwd_budget.backward_buffer_bytes``: up to
-2 GiB, 3 GiB in deterministic "slots" past 20 keys per top-k slot), counted in the working set; where it keeps its buffer zero between backwards (ZEROS "restore", long
-sequences; with ``--attn tilelang`` or auto, also the dense prefix's past 8 keys per top-k slot) that buffer also
-stays through the optimizer step.
+2 GiB, 3 GiB in deterministic "slots" past 20 keys per top-k slot), counted in the working set; where it keeps its
+buffer zero between backwards (ZEROS "restore", long sequences; with ``--attn tilelang`` or auto, also the dense
+prefix's past 8 keys per top-k slot) that buffer also stays through the optimizer step.
 """
 from __future__ import annotations
 
