@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 import time
 
@@ -193,9 +194,11 @@ def _fwd_bwd_rows(p, reps, add, tsm, variants=None, baseline=None):
     return out, lse
 
 
-def _dense_bwd_rows(p, out, lse, reps, add):
+def _dense_bwd_rows(p, out, lse, reps, add, match=None):
     """Our TileLang scores kernel + cuBLAS (``--attn tilelang``'s backward), each mode, with and without the KL
-    target's head sums; rows where the dense formulation does not apply say that the Triton backward ran."""
+    target's head sums; rows where the dense formulation does not apply say that the Triton backward ran.
+    match: a regular expression; only the variants whose row suffix it finds are timed (the four default rows
+    always)."""
     from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -209,6 +212,10 @@ def _dense_bwd_rows(p, out, lse, reps, add):
     # one buffer kept zero, the written entries zeroed again after each chunk
     variants += [(det, f", head sums, ZEROS {z}", hs, dict(ZEROS=z)) for det in (False, True)
                  for z in ("memset", "restore")]
+    # the scores kernel gathering each kv block whole (split_ready False; the default: two halves); its L2 hints
+    variants += [(det, ", head sums, whole blocks", hs, dict(split_ready=False)) for det in (False, True)]
+    variants += [(False, ", head sums, L2 hints", hs, dict(kv_hint="evict_last", q_evict_first=True,
+                                                           split_ready=False))]
     # dkv's fp32 sums as before mm_fp32_add_: each product into an fp32 matrix of its own, then added
     variants += [(det, ", head sums, fp32 products added after", hs, dict(adds_after=True)) for det in (False, True)]
     if p.seq > 4096:  # the dense formulation where "auto" takes the Triton backward in atomic mode (DENSE_KEY_RATIO)
@@ -223,6 +230,8 @@ def _dense_bwd_rows(p, out, lse, reps, add):
                      (False, ", head sums, stores from the register tiles", hs, dict(staged=False))]
         variants += [(False, ", head sums, no dS / P stores (wrong dq / dkv: the stores' cost)", hs,
                       dict(write_pds=False))]
+    if match:
+        variants = variants[:4] + [v for v in variants[4:] if re.search(match, v[1])]
     fused_add = tsm.mm_fp32_add_
     for det, suffix, head_sums, cfg in variants:
         cfg = dict(cfg) if cfg else None
@@ -288,7 +297,7 @@ def load_baseline(path):
 
 
 def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=None, bwd_only=False,
-          bwd_variants=None, baseline=None):
+          bwd_variants=None, baseline=None, dense_match=None):
     from megatron_glm5.ops import reference, triton_indexer, triton_kl
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -312,7 +321,11 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
         """One row per (label suffix, config) of one of our TileLang kernels (compiled outside the timing)."""
         for suffix, cfg in configs:
             run = functools.partial(fn, config=cfg)
-            run()
+            try:
+                run()
+            except Exception as e:  # one configuration that fails to build or run does not end the benchmark
+                log(f"S={seq:6d} {label.format(suffix)}: FAILED {type(e).__name__}: {str(e)[-300:]}")
+                continue
             add(label.format(suffix), timed(run, p.refill, n_reps), flop)
 
     if bwd_only:  # the sparse MLA rows alone: the forward, then every backward variant (ours in TileLang too)
@@ -320,10 +333,16 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
         if has_tilelang:
             from megatron_glm5.ops import tilelang_sparse_mla_ws
 
+            ws = tilelang_sparse_mla_ws
+            # the default (each kv block gathered in two halves), whole blocks, the L2 hints (KV_HINTS); then the
+            # first two again (the drift between rows of one run)
             tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
                 tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV),
-                ((", warp-specialised", tilelang_sparse_mla_ws.WS_CONFIG),), reps, p.fwd_flop)
-            _dense_bwd_rows(p, out, lse, reps, add)
+                ((", warp-specialised", ws.WS_CONFIG), (", warp-specialised, whole blocks", ws.WS_WHOLE_BLOCKS_CONFIG),
+                 (", warp-specialised, L2 hints", ws.WS_L2_HINTS_CONFIG),
+                 (", warp-specialised (again)", ws.WS_CONFIG),
+                 (", warp-specialised, whole blocks (again)", ws.WS_WHOLE_BLOCKS_CONFIG)), reps, p.fwd_flop)
+            _dense_bwd_rows(p, out, lse, reps, add, dense_match)
         torch.cuda.empty_cache()
         return rows
     add("indexer_topk (triton)", timed(lambda: triton_indexer.indexer_topk(
@@ -367,6 +386,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
         tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
             tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV),
             ((", warp-specialised", tilelang_sparse_mla_ws.WS_CONFIG),
+             (", warp-specialised, whole blocks", tilelang_sparse_mla_ws.WS_WHOLE_BLOCKS_CONFIG),
              (", warp-specialised, bounded (stops after the last used slot)", tilelang_sparse_mla_ws.WS_BOUNDED_CONFIG),
              (", plain loop", tilelang_sparse_mla.FWD_CONFIG),
              (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG),
@@ -376,7 +396,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             tilelang_sparse_mla_bwd.tilelang_sparse_bwd, p.q, p.kv, p.indices, out, lse, p.d_out, None, p.scale, DV,
             deterministic=False), (("", tilelang_sparse_mla_bwd.BWD_CONFIG),
                                    (", narrow", tilelang_sparse_mla_bwd.NARROW_BWD_CONFIG)), reps, 2.5 * p.fwd_flop)
-        _dense_bwd_rows(p, out, lse, reps, add)
+        _dense_bwd_rows(p, out, lse, reps, add, dense_match)
     from megatron_glm5.ops import cudnn_backend
 
     # peer kernels, when the cuDNN frontend's DSA ops load here (the backend's probe loads each op's CuTe-DSL module)
@@ -479,6 +499,9 @@ def main(argv=None):
                     help="also print where our TileLang backward's GPU time goes, kernel by kernel (torch profiler)")
     ap.add_argument("--bwd-variants", default=None,
                     help="comma-separated names of BWD_VARIANTS to time (default: all)")
+    ap.add_argument("--dense-match", default=None, metavar="REGEX",
+                    help="time only the variants of our TileLang dense backward whose row text this regular "
+                         "expression finds (the four default rows always; default: every variant)")
     ap.add_argument("--bwd-baseline", default=None, metavar="FILE",
                     help="also time the default backward of this copy of ops/triton_sparse_mla.py in the same run "
                          "(e.g. git show REV:megatron_glm5/ops/triton_sparse_mla.py > FILE)")
@@ -507,7 +530,7 @@ def main(argv=None):
     baseline = load_baseline(args.bwd_baseline) if args.bwd_baseline else None
     for seq in args.seqs:
         result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log, args.peak_tflops,
-                                args.tilelang_examples, args.bwd_only, variants, baseline)
+                                args.tilelang_examples, args.bwd_only, variants, baseline, args.dense_match)
         if args.profile_bwd:
             profile_dense_bwd(seq, log)
     for tokens in args.moe_tokens:

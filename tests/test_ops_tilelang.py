@@ -105,6 +105,25 @@ def test_unsupported_shapes_use_the_triton_backend_with_one_warning(monkeypatch,
     assert "--attn tilelang: the TileLang forward needs power-of-two d_v and d_rope >= 16, got 512 / 48" in text
 
 
+def test_l2_hint_settings_give_their_pass_configs_and_reject_unknown_hints():
+    """The kv gathers' L2 hints are opt-in (no gain measured: docs/performance.md, session 17); a hinted kernel
+    turns TileLang's buffer-init check off (its copies are extern calls the check cannot see), fast_math its
+    fast-math pass; an unknown hint is refused before any lowering."""
+    assert tlws.WS_CONFIG.get("kv_hint") is None and tlbws.PDS_WS_CONFIG.get("kv_hint") is None
+    assert tlws.WS_CONFIG["split_ready"] and tlbws.PDS_WS_CONFIG["split_ready"]  # measured: session 17
+    cfg = dict(tlws.WS_L2_HINTS_CONFIG)
+    assert tlm.pop_pass_configs(cfg) == {"tl.enable_fast_math": True, "tl.disable_buffer_init_check": True}
+    assert "fast_math" not in cfg and cfg["kv_hint"] == "evict_last"  # fast_math popped, the hint left to the builder
+    assert tlm.pop_pass_configs(dict(tlws.WS_CONFIG)) == {"tl.enable_fast_math": True}
+    assert tlm.pop_pass_configs({}) is None
+    assert tlws.kernel_prelude(None) is None and "createpolicy" in tlws.kernel_prelude("evict_last_256b")
+    with pytest.raises(ValueError, match="kv_hint must be one of"):
+        tlws.kernel_prelude("evict_first")
+    assert not tlws.WS_L2_HINTS_CONFIG["split_ready"] and not tlws.WS_L2_256B_CONFIG["split_ready"]
+    with pytest.raises(ValueError, match="needs split_ready=False"):  # illegal instruction on the H100 together
+        tlws.check_kv_hint("evict_last", split_ready=True)
+
+
 def test_kernel_settings_pick_the_forward_and_backward_and_reject_bad_values(monkeypatch):
     from megatron_glm5.errors import UserError
     from megatron_glm5.ops import tilelang_backend, triton_sparse_mla
@@ -431,7 +450,8 @@ CONFIGS = {"default": tlm.FWD_CONFIG, "pipelined": tlm.PIPELINED_CONFIG, "pipeli
 # rel. L2 1.04), then, fixed from its lowered source (tests/test_ops_tilelang_ws.py), passed these tests on the H200
 GPU_CONFIGS = dict(CONFIGS, ws=tlws.WS_CONFIG, ws_bounded=tlws.WS_BOUNDED_CONFIG,
                    ws_exact=tlws.WS_EXACT_CONFIG, ws_gather_all=tlws.WS_GATHER_ALL_CONFIG, ws_late=tlws.WS_LATE_RELEASE_CONFIG, ws32=tlws.WS32_CONFIG,
-                   ws32_early=tlws.WS32_EARLY_CONFIG)
+                   ws32_early=tlws.WS32_EARLY_CONFIG, ws_l2_hints=tlws.WS_L2_HINTS_CONFIG,
+                   ws_l2_256b=tlws.WS_L2_256B_CONFIG, ws_whole_blocks=tlws.WS_WHOLE_BLOCKS_CONFIG)
 
 
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG,
@@ -583,6 +603,21 @@ def test_gpu_tilelang_bounded_forward_equals_every_step(layout):
         assert rel_l2(out, pr.out) <= 1e-2 and rel_l2(lse, pr.lse) <= 1e-2, (name, rel_l2(out, pr.out))
         got[name] = out, lse
     assert torch.equal(got["ws"][0], got["ws_bounded"][0]) and torch.equal(got["ws"][1], got["ws_bounded"][1])
+
+
+@gpu
+@needs_gpu_tilelang
+def test_gpu_gather_variants_are_bitwise_the_default_forward():
+    """The kv block gathered whole (split_ready False) or in two halves (the default), and the L2 hints, change
+    when data arrives and how long it stays in L2, not one product: out and lse equal the default's bit for bit at
+    GLM-5 shapes."""
+    from test_ops_triton import gpu_sparse_problem
+
+    pr = gpu_sparse_problem("causal", seed=31)
+    want = tlm.tilelang_sparse_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV, config=tlws.WS_CONFIG)
+    for name in ("ws_whole_blocks", "ws_l2_hints", "ws_l2_256b"):
+        got = tlm.tilelang_sparse_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV, config=GPU_CONFIGS[name])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
 
 
 @gpu

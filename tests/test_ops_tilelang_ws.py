@@ -81,3 +81,66 @@ def test_wrapper_bounds_each_querys_loop_by_its_last_used_slot(monkeypatch):
     assert torch.equal(seen[0].long(), (last + 127) // 128) and seen[0][1] == 1 and seen[0][2] == 2
     assert seen[0][4] == 0
     assert rel_l2(out, ro) <= 1e-2 and torch.equal(torch.isneginf(lse), torch.isneginf(rl))
+
+
+@pytest.mark.parametrize("kernel", ["forward", "backward scores"])
+def test_l2_hints_reach_the_gathers_and_q_loads(tmp_path, kernel):
+    """kv_hint / q_evict_first in the lowered source: every kv copy of the producer through the hinted function
+    (none through TileLang's own cp.async), no barrier among the producer's threads between rows, q's TMA loads
+    with the evict-first hint; without hints the source is TileLang's plain gather.  With nvcc (the device), the
+    hinted copies' inline PTX assembles for sm_90a."""
+    from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
+    from test_ops_tilelang import nvcc_cubin
+
+    def lower(**kw):
+        if kernel == "forward":
+            return tlm.lower_to_cuda(tlws.build_sparse_fwd_ws(64, 512, 64, 2048, 576 ** -0.5, early_release=True,
+                                                              **kw))
+        return tlm.lower_to_cuda(tlbws.build_sparse_pds_ws(64, 512, 64, 2048, 576 ** -0.5, 64, 2048, **kw))
+
+    plain = lower(kv_hint=None, q_evict_first=False)
+    assert "glm5_cp_async16" not in plain and "EVICT_FIRST" not in plain
+    assert plain.count("cp_async_gs") >= 4  # latent and rope copies of both buffers
+    for hint, fn in (("evict_last", "glm5_cp_async16_evict_last("), ("evict_last_256b", "glm5_cp_async16_evict_last_256b(")):
+        src = lower(kv_hint=hint, q_evict_first=True)
+        producer = role_sources(src)[2]
+        assert producer.count(fn) == 4 and "cp_async_gs" not in producer  # latent + rope, both buffers
+        assert "__sync_thread_partial" not in producer
+        assert producer.count("mbarrier_cp_async_arrive_noinc") == 2  # the copies still complete the ready barriers
+        assert src.count("tma_load<tl::CacheHintSm90::EVICT_FIRST>") == 2 and "createpolicy.fractional.L2::evict_last" in src
+        report = nvcc_cubin(tmp_path, src)
+        if report is not None:
+            assert " 0 bytes spill stores" in report, report
+    with pytest.raises(ValueError, match="kv_hint must be one of"):
+        lower(kv_hint="evict_first")
+
+
+@pytest.mark.parametrize("kernel", ["forward", "backward scores"])
+def test_split_ready_gathers_each_block_in_two_halves(tmp_path, kernel):
+    """split_ready in the lowered source: the producer completes a "lo" barrier after the first latent half of each
+    block and the "ready" barrier after the rest; each consumer waits for lo, multiplies q's first latent half,
+    then waits for ready and multiplies the second (its descriptors 32,768 bytes on: 4 of the 8 swizzled 64-column
+    atoms of [64, 512] bf16); without it the source has no lo barrier."""
+    from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
+    from test_ops_tilelang import nvcc_cubin
+
+    def lower(**kw):
+        if kernel == "forward":
+            return tlm.lower_to_cuda(tlws.build_sparse_fwd_ws(64, 512, 64, 2048, 576 ** -0.5, early_release=True,
+                                                              **kw))
+        return tlm.lower_to_cuda(tlbws.build_sparse_pds_ws(64, 512, 64, 2048, 576 ** -0.5, 64, 2048, **kw))
+
+    assert "bar_lo" not in lower()
+    src = lower(split_ready=True)
+    *consumers, producer = role_sources(src)
+    assert [m.group(1) for m in re.finditer(r"mbarrier_cp_async_arrive_noinc\((bar_\w+)\[", producer)] == [
+        "bar_lo", "bar_ready", "bar_lo", "bar_ready"]
+    for c, part in enumerate(consumers):
+        lo, ready = part.index(f"bar_lo[{c}].wait"), part.index(f"bar_ready[{c}].wait")
+        first = part.index("initialize_wgmma_descriptor", lo)
+        second = part.index("initialize_wgmma_descriptor", ready)
+        assert lo < first < ready < second
+        assert "q_lat)[0]" in part[first:ready] and "+ 32768" in part[second:second + 200]
+    report = nvcc_cubin(tmp_path, src)
+    if report is not None:
+        assert " 0 bytes spill stores" in report, report

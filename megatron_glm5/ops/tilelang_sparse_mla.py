@@ -242,11 +242,24 @@ def dynamic_shared_bytes(artifact) -> int:
     return max(sizes, default=0)
 
 
+def pop_pass_configs(cfg: dict) -> Optional[dict]:
+    """The TileLang pass configs a kernel configuration asks for, its ``fast_math`` key popped: TileLang's fast
+    exp2 / log2 pass; with a ``kv_hint`` (tilelang_sparse_mla_ws.KV_HINTS) the buffer-init check off -- the hinted
+    kv copies are extern calls whose writes that check cannot see (it would warn that the kv buffers are read before
+    anything writes them)."""
+    configs = {}
+    if cfg.pop("fast_math", False):
+        configs["tl.enable_fast_math"] = True
+    if cfg.get("kv_hint"):
+        configs["tl.disable_buffer_init_check"] = True
+    return configs or None
+
+
 def _compiled(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, cfg: dict):
-    cfg = dict(cfg)  # builder: the kernel's (default ours above); fast_math: TileLang's fast exp2 / log2
+    cfg = dict(cfg)  # builder: the kernel's (default ours above)
     builder = cfg.pop("builder", build_sparse_fwd)
-    fast = {"tl.enable_fast_math": True} if cfg.pop("fast_math", False) else None
-    return compiled_kernel(builder, heads, d_v, d_rope, topk, float(softmax_scale), pass_configs=fast, **cfg)
+    passes = pop_pass_configs(cfg)
+    return compiled_kernel(builder, heads, d_v, d_rope, topk, float(softmax_scale), pass_configs=passes, **cfg)
 
 
 def tilelang_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, softmax_scale: float, d_v: int,

@@ -15,7 +15,8 @@ the schedule of our warp-specialised forward (tilelang_sparse_mla_ws):
 * q (latent + rope) is TMA-loaded into shared memory once; each consumer loads dO [64 heads, d_v] into its own
   registers (the A operand of dp = dO v^T);
 * warpgroup 2, the producer, gathers the selected kv rows with cp.async, 64 per block, even blocks into buffer 0 and
-  odd ones into buffer 1 (ready / free mbarriers); after the first pair it gathers no row for an unused slot;
+  odd ones into buffer 1 (ready / free mbarriers), each block in two halves (``split_ready``, as in the forward: q
+  k^T starts on the first 256 latent columns); after the first pair it gathers no row for an unused slot;
 * consumer c takes the blocks of buffer c: s = q k^T (576 columns, both operands in shared memory) and dp = dO
   k_lat^T (dO from registers), then p = exp2(s scale log2 e - lse log2 e) (0 for an unused slot) and
   ds = p (dp - Delta) scale; p^T and ds^T go in bf16 into the spent latent part of its buffer (``staged``), the
@@ -46,8 +47,8 @@ from . import host_windows
 from . import triton_sparse_mla as tsm
 from .base import pad_topk, warn_once
 from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, bounded_steps, check_tiles, compiled_kernel,
-                                  tilelang_unsupported_reason)
-from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, block_gatherer
+                                  pop_pass_configs, tilelang_unsupported_reason)
+from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, block_gatherer, check_kv_hint, kernel_prelude
 
 __all__ = ["PDS_WS_CONFIG", "build_sparse_pds_ws", "pds_ws_unsupported_reason", "tilelang_sparse_bwd_dense"]
 
@@ -57,13 +58,14 @@ ONES_N = 16  # columns of the ones matrix of the head sums' product (column 0 is
 #: consumer / producer registers per thread after setmaxnreg (2 x 240 + 24 = 3 x LAUNCH_REGS; ptxas: no spills,
 #: where 232 / 40 spilled 12 bytes)
 PDS_WS_CONFIG = dict(consumer_regs=240, producer_regs=24, skip_unused=True, fast_math=True, staged=True,
-                     bounded=True)
+                     bounded=True, split_ready=True)
 
 
 def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, heads_real: int,
                         topk_real: int, head_sums: bool = True, consumer_regs: int = 240, producer_regs: int = 24,
                         skip_unused: bool = True, write_pds: bool = True, staged: bool = True,
-                        bounded: bool = True, dtype: str = "bfloat16"):
+                        bounded: bool = True, kv_hint=None, q_evict_first: bool = False, split_ready: bool = False,
+                        dtype: str = "bfloat16"):
     """The TileLang prim_func of the scores step (module docstring) for these static sizes: heads (a multiple of
     64) of which heads_real are real (the column of head h of query t is t * heads_real + h), topk slots (a multiple
     of 128) of which topk_real are the caller's (the head sums' row length).
@@ -76,7 +78,9 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     write_pds False leaves DS and P unwritten: a diagnostic for the benchmark (the cost of the scattered stores),
     never a result.  staged: p^T / ds^T go through shared memory so that each slot's heads are one contiguous row
     (False: stored from the register tiles).  bounded: each query stops after its last used slot (Ends; False:
-    every step, Ends unread)."""
+    every step, Ends unread).  kv_hint / q_evict_first / split_ready: the L2 hints of the kv gathers and q's TMA
+    loads, and the block gathered in two halves (q k^T starts on the first), as in the forward
+    (``tilelang_sparse_mla_ws.build_sparse_fwd_ws``)."""
     import tilelang.language as T
 
     check_tiles(heads, topk, PAIR)
@@ -98,6 +102,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     n_kc = T.dynamic("n_kc")
     wg = 128
     hs_shape = (n_q, topk_real) if head_sums else (1, 1)  # without head sums: a 1 x 1 placeholder
+    half = d_v // 2
 
     def consumer(c: int):
         """T.macro: consumer warpgroup c's part (block 2 it + c of each step, in kv buffer c); do_f .. hsum: its
@@ -105,7 +110,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
         @T.macro
         def run(tok, h0, dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do_f, s, dp, lse2, dlt,
-                hsum, n_it, bar_q, bar_ready, bar_free):
+                hsum, n_it, bar_q, bar_ready, bar_free, bar_lo):
             T.set_max_nreg(consumer_regs, 1)
             T.copy(dO[tok, h0:h0 + HEAD_BLOCK, :], do_f)
             for i in T.Parallel(HEAD_BLOCK):
@@ -114,8 +119,14 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 dlt[i] = Delta[tok, h0 + i]
             T.barrier_wait(bar_q, 0)
             for it in T.serial(n_it):
-                T.barrier_wait(bar_ready[c], it & 1)
-                T.gemm(q_lat, k_lat[c], s, transpose_B=True, clear_accum=True)
+                if split_ready:  # q k^T on the first latent half while the rest is in flight
+                    T.barrier_wait(bar_lo[c], it & 1)
+                    T.gemm(q_lat[:, 0:half], k_lat[c][:, 0:half], s, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(bar_ready[c], it & 1)
+                    T.gemm(q_lat[:, half:d_v], k_lat[c][:, half:d_v], s, transpose_B=True)
+                else:
+                    T.barrier_wait(bar_ready[c], it & 1)
+                    T.gemm(q_lat, k_lat[c], s, transpose_B=True, clear_accum=True)
                 T.gemm(q_rope, k_rope[c], s, transpose_B=True)
                 T.gemm(do_f, k_lat[c], dp, transpose_B=True, clear_accum=True)
                 if not head_sums and not staged:
@@ -169,7 +180,11 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         return run
 
     consumer0, consumer1 = consumer(0), consumer(1)
-    gather_block = block_gatherer(BLOCK_N, d_v, skip_unused)
+    check_kv_hint(kv_hint, split_ready)
+    gather_block = block_gatherer(BLOCK_N, d_v, skip_unused, kv_hint)
+    gather_lo = block_gatherer(BLOCK_N, d_v, skip_unused, kv_hint, "lo")
+    gather_hi = block_gatherer(BLOCK_N, d_v, skip_unused, kv_hint, "hi")
+    q_policy = "evict_first" if q_evict_first else None
 
     @T.prim_func
     def sparse_mla_pds_ws_kernel(
@@ -184,7 +199,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         P: T.Tensor((n_kc, n_q, heads_real), dtype),
         HS: T.Tensor(hs_shape, acc_t),
     ):
-        with T.Kernel(n_q, hb_n, threads=3 * wg) as (tok, hb):
+        with T.Kernel(n_q, hb_n, threads=3 * wg, prelude=kernel_prelude(kv_hint)) as (tok, hb):
             q_lat = T.alloc_shared((HEAD_BLOCK, d_v), dtype)
             q_rope = T.alloc_shared((HEAD_BLOCK, d_rope), dtype)
             k0_lat = T.alloc_shared((BLOCK_N, d_v), dtype)
@@ -209,6 +224,9 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             bar_q = T.alloc_barrier(arrive_count=3 * wg)
             bar_ready = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * 2)  # kv buffer b gathered
             bar_free = T.alloc_barrier(arrive_count=[wg] * 2)  # kv buffer b read by its consumer
+            # split_ready: the first latent half of kv buffer b gathered (None without it: a macro argument bound to
+            # bar_ready would rename that barrier in the source)
+            bar_lo = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * 2) if split_ready else None
 
             h0 = hb * HEAD_BLOCK
             tx = T.get_thread_binding()
@@ -216,14 +234,14 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             if bounded:
                 n_it = T.alloc_var(idx_t)
                 n_it = T.min(Ends[tok], n_pairs)
-            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q)
-            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q)
+            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q, eviction_policy=q_policy)
+            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q, eviction_policy=q_policy)
             for i, u in T.Parallel(HEAD_BLOCK, ONES_N):
                 ones[i, u] = T.cast(1, dtype)
             T.barrier_arrive(bar_q)
 
             k_lat, k_rope = (k0_lat, k1_lat), (k0_rope, k1_rope)
-            bars = (bar_q, bar_ready, bar_free)
+            bars = (bar_q, bar_ready, bar_free, bar_lo)
             # one if / elif / else chain: separate ifs make TileLang put a block-wide __syncthreads between the roles
             if tx < wg:
                 consumer0(tok, h0, dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do0, s0, dp0,
@@ -239,7 +257,13 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 for it in T.serial(n_it):
                     for b in (0, 1):  # Python-unrolled: buffer indices stay Python ints
                         T.barrier_wait(bar_free[b], (it & 1) ^ 1)
-                        gather_block(KV, Idx, tok, (2 * it + b) * BLOCK_N, it, n_kv, k_lat[b], k_rope[b], r0, col, row)
+                        slot0 = (2 * it + b) * BLOCK_N
+                        if split_ready:  # each half completes its own barrier
+                            gather_lo(KV, Idx, tok, slot0, it, n_kv, k_lat[b], k_rope[b], r0, col, row)
+                            T.cp_async_barrier_noinc(bar_lo[b])
+                            gather_hi(KV, Idx, tok, slot0, it, n_kv, k_lat[b], k_rope[b], r0, col, row)
+                        else:
+                            gather_block(KV, Idx, tok, slot0, it, n_kv, k_lat[b], k_rope[b], r0, col, row)
                         T.cp_async_barrier_noinc(bar_ready[b])
 
     return sparse_mla_pds_ws_kernel
@@ -294,7 +318,7 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
         warn_once("tilelang", why)
         return tsm.sparse_mla_bwd(q, kv, indices, out, lse, d_out, d_lse, softmax_scale, d_v, deterministic,
                                   dq=dq, head_sums=head_sums, dkv_dtype=dkv_dtype)
-    fast = {"tl.enable_fast_math": True} if cfg.pop("fast_math", False) else None
+    passes = pop_pass_configs(cfg)
     n_q, h, d_qk = q.shape
     n_keys, topk = kv.shape[0], indices.shape[1]
     pad = HEAD_BLOCK - h
@@ -308,7 +332,7 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
     dkv = torch.zeros(n_keys, d_qk, dtype=torch.float32, device=q.device)
     hs = head_sums if head_sums is not None else torch.empty(1, 1, dtype=torch.float32, device=q.device)
     kernel = compiled_kernel(build_sparse_pds_ws, HEAD_BLOCK, d_v, d_qk - d_v, idx.shape[1], float(softmax_scale),
-                             h, topk, pass_configs=fast, head_sums=head_sums is not None, **cfg)
+                             h, topk, pass_configs=passes, head_sums=head_sums is not None, **cfg)
     for t0, n, kc, ds_mat, p_mat in plan.chunks():
         if kc > 0:
             rows = slice(t0, t0 + n)

@@ -21,7 +21,10 @@ here in TileLang:
 * one thread block per (query token, 64 heads), 384 threads in three warpgroups; q (latent + rope) is TMA-loaded once;
 * warpgroup 2, the producer (few registers), gathers the selected kv rows with cp.async, 64 rows per block, into two
   shared buffers: even blocks into buffer 0, odd blocks into buffer 1; each buffer has a "ready" mbarrier (completed
-  by the cp.async arrivals) and a "free" one (both consumers arrive when done with it);
+  by the cp.async arrivals) and a "free" one (both consumers arrive when done with it); with ``split_ready`` (the
+  default) a block comes in two halves, the first 256 latent columns completing a "lo" barrier and the rest with
+  the rope part "ready", and a consumer starts q k^T on the first half while the second is in flight (bitwise the
+  same products; 1-2 % faster, session 17);
 * consumer warpgroup c (c = 0, 1) computes the 64 x 64 score tile of the blocks in ITS buffer (q k^T over all 576
   columns), so both consumers do the same tensor-core work; the running row max is shared: consumer 0 publishes the
   max of its tile (and the previous max) in shared memory, consumer 1 folds in its own tile and publishes the block
@@ -51,7 +54,8 @@ from . import tilelang_sparse_mla
 from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, check_tiles
 
 __all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG",
-           "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG", "build_sparse_fwd_ws",
+           "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG", "WS_L2_HINTS_CONFIG", "WS_L2_256B_CONFIG",
+           "WS_WHOLE_BLOCKS_CONFIG", "KV_HINTS", "block_gatherer", "check_kv_hint", "build_sparse_fwd_ws", "kernel_prelude",
            "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
@@ -63,13 +67,79 @@ ROWS_PER_PASS = PRODUCER_THREADS // 8  # eight producer threads per kv row, 16 b
 LAUNCH_REGS = 168
 
 
-def block_gatherer(block_n: int, d_v: int, skip_unused: bool):
+#: L2 cache hints of the kv gathers (``kv_hint``; docs/design.md): None -- plain cp.async (TileLang's own); "evict_last"
+#: -- each 16-byte cp.async carries an L2 evict-last policy, so the gathered kv rows (re-read by every later query
+#: that selects them) outlive the streamed q / out / index lines in L2; "evict_last_256b" -- the same with a 256-byte
+#: L2 prefetch on a miss (a kv row is 1,152 contiguous bytes).  FlashMLA's sm90 sparse prefill gathers this way.
+KV_HINTS = (None, "evict_last", "evict_last_256b")
+#: the device functions the hinted gathers call (a kernel's prelude: TileLang's cp.async takes no cache policy)
+GATHER_PRELUDE = r"""
+__device__ __forceinline__ unsigned long long glm5_evict_last_policy() {
+  unsigned long long policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ void glm5_cp_async16_evict_last(void *smem, const void *gmem) {
+  unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
+               :: "r"(dst), "l"(gmem), "l"(glm5_evict_last_policy()) : "memory");
+}
+__device__ __forceinline__ void glm5_cp_async16_evict_last_256b(void *smem, const void *gmem) {
+  unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2;"
+               :: "r"(dst), "l"(gmem), "l"(glm5_evict_last_policy()) : "memory");
+}
+"""
+
+
+def check_kv_hint(kv_hint, split_ready: bool = False) -> None:
+    """kv_hint is one of KV_HINTS, and not combined with split_ready: the two together stopped the backward's scores
+    kernel with an illegal instruction on the H100 (session 17; each alone passes the GPU tests)."""
+    if kv_hint not in KV_HINTS:
+        raise ValueError(f"kv_hint must be one of {KV_HINTS}, got {kv_hint!r}")
+    if kv_hint and split_ready:
+        raise ValueError(f"kv_hint {kv_hint!r} needs split_ready=False: the two together stopped a kernel with an "
+                         "illegal instruction on the H100 (2026-12-07); each alone is tested")
+
+
+def kernel_prelude(kv_hint):
+    """The ``T.Kernel`` prelude a kernel gathering with ``kv_hint`` needs (None without a hint)."""
+    check_kv_hint(kv_hint)
+    return GATHER_PRELUDE if kv_hint else None
+
+
+GATHER_PARTS = ("all", "lo", "hi")
+
+
+def block_gatherer(block_n: int, d_v: int, skip_unused: bool, kv_hint=None, part: str = "all"):
     """T.macro: the producer warpgroup's gather of one block of block_n kv rows (slots slot0 ..) into a shared
     buffer by cp.async, eight producer threads per row (thread r0, column col), 16 bytes each (``row``: the caller's
     int32 var).  An unused slot (-1 or >= n_kv: its score is masked, p = 0) is not gathered after the first step
     (``it`` 0; skip_unused): its row keeps an earlier block's finite values; the first step fills it from a clamped
-    row (shared memory starts uninitialised).  Our warp-specialised forward and backward scores kernel share it."""
+    row (shared memory starts uninitialised).  kv_hint (``KV_HINTS``): the L2 policy of each copy; a hinted gather
+    needs ``kernel_prelude(kv_hint)`` in its kernel.  part: "all" the row, "lo" the first half of its latent
+    columns, "hi" the rest and the rope part (a block gathered in two halves, each completing its own barrier:
+    the consumers start q k^T on the first half while the second is in flight).  Our warp-specialised forward and
+    backward scores kernel share it."""
     import tilelang.language as T
+
+    check_kv_hint(kv_hint)
+    if part not in GATHER_PARTS:
+        raise ValueError(f"part must be one of {GATHER_PARTS}, got {part!r}")
+    hinted = {"evict_last": "glm5_cp_async16_evict_last",
+              "evict_last_256b": "glm5_cp_async16_evict_last_256b"}.get(kv_hint)
+    tiles = d_v // 64  # 64-column pieces of the latent part (8 threads x 8 columns each)
+    lat_tiles = {"all": range(tiles), "lo": range(tiles // 2), "hi": range(tiles // 2, tiles)}[part]
+    lat0, n_lat, with_rope = lat_tiles.start, len(lat_tiles), part != "lo"
+
+    @T.macro
+    def copy16(dst, src):
+        if hinted is None:
+            T.ptx_cp_async(T.access_ptr(dst, "w", 8), T.access_ptr(src, "r", 8), 8)
+        else:  # the shared pointer passed as read ("r"): TileLang's sync pass then puts no barrier among the
+            # producer's threads between rows (it does for an extern call it sees writing shared memory; its own
+            # cp.async it knows to be asynchronous); the consumers wait on the mbarriers either way
+            T.call_extern("handle", hinted, T.access_ptr(dst, "r", 8), T.access_ptr(src, "r", 8))
 
     @T.macro
     def gather_block(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row):
@@ -78,18 +148,18 @@ def block_gatherer(block_n: int, d_v: int, skip_unused: bool):
             gather = T.if_then_else(sel >= 0, T.if_then_else(sel < n_kv, 1, 0), 0) if skip_unused else 1
             if T.if_then_else(it == 0, 1, gather) == 1:
                 row[0] = T.max(T.min(sel, n_kv - 1), 0)  # a store into the caller's var, as in the kernel body
-                for u in T.unroll(d_v // 64):
-                    T.ptx_cp_async(T.access_ptr(k_lat_b[r * ROWS_PER_PASS + r0, u * 64 + col], "w", 8),
-                                   T.access_ptr(KV[row[0], u * 64 + col], "r", 8), 8)
-                T.ptx_cp_async(T.access_ptr(k_rope_b[r * ROWS_PER_PASS + r0, col], "w", 8),
-                               T.access_ptr(KV[row[0], d_v + col], "r", 8), 8)
+                for u in T.unroll(n_lat):
+                    copy16(k_lat_b[r * ROWS_PER_PASS + r0, (lat0 + u) * 64 + col], KV[row[0], (lat0 + u) * 64 + col])
+                if with_rope:
+                    copy16(k_rope_b[r * ROWS_PER_PASS + r0, col], KV[row[0], d_v + col])
 
     return gather_block
 
 
 def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, consumer_regs: int = 232,
                         producer_regs: int = 40, skip_unused: bool = True, block_n: int = BLOCK_N,
-                        early_release: bool = False, bounded: bool = False, dtype: str = "bfloat16"):
+                        early_release: bool = False, bounded: bool = False, kv_hint=None, q_evict_first: bool = False,
+                        split_ready: bool = False, dtype: str = "bfloat16"):
     """The TileLang prim_func of the warp-specialised forward (module docstring); same arguments as
     ``tilelang_sparse_mla.build_sparse_fwd``'s kernel.  heads % 64 == 0, topk % 128 == 0, d_rope == 64.
     consumer_regs / producer_regs: the per-thread registers of each role after setmaxnreg (multiples of 8); their
@@ -102,7 +172,11 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     buffers in the same order (even block first) and free each right after its last use (p published with an
     explicit async-proxy fence), so the producer can refill the even buffer during the odd block's p V.
     bounded: the kernel takes Ends int32 [n_q] after Idx, each query's count of 128-slot steps up to its last
-    used slot (``tilelang_sparse_mla.bounded_steps``), and stops there (the causal padding of early tokens is not computed)."""
+    used slot (``tilelang_sparse_mla.bounded_steps``), and stops there (the causal padding of early tokens is not computed).
+    kv_hint: the L2 policy of the kv gathers (``KV_HINTS``); q_evict_first: q's TMA loads (each q read once) carry
+    an L2 evict-first hint.  split_ready: the producer gathers each block in two halves (the first half of the
+    latent columns, then the rest with the rope part), each completing its own "ready" barrier, and the consumer
+    starts q k^T on the first half while the second is in flight."""
     import tilelang.language as T
 
     if block_n not in (32, BLOCK_N):
@@ -137,7 +211,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
         @T.macro
         def run(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new, alpha,
-                l_run, l_blk, lse_f, n_it, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l):
+                l_run, l_blk, lse_f, n_it, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo):
             T.set_max_nreg(consumer_regs, 1)
             T.fill(acc, 0)
             T.fill(l_run, 0)
@@ -148,8 +222,14 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                     it = it0 * sets + st
                     ph = it & 1
                     mine, other = 2 * st + c, 2 * st + o
-                    T.barrier_wait(bar_ready[mine], it0 & 1)
-                    T.gemm(q_lat, k_lat[mine], s, transpose_B=True, clear_accum=True)
+                    if split_ready:  # q k^T on the first latent half while the rest is in flight
+                        T.barrier_wait(bar_lo[mine], it0 & 1)
+                        T.gemm(q_lat[:, 0:half], k_lat[mine][:, 0:half], s, transpose_B=True, clear_accum=True)
+                        T.barrier_wait(bar_ready[mine], it0 & 1)
+                        T.gemm(q_lat[:, half:d_v], k_lat[mine][:, half:d_v], s, transpose_B=True)
+                    else:
+                        T.barrier_wait(bar_ready[mine], it0 & 1)
+                        T.gemm(q_lat, k_lat[mine], s, transpose_B=True, clear_accum=True)
                     T.gemm(q_rope, k_rope[mine], s, transpose_B=True)
                     for i, j in T.Parallel(HEAD_BLOCK, block_n):
                         sel = Idx[tok, (2 * it + c) * block_n + j]
@@ -215,7 +295,11 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         return run
 
     consumer0, consumer1 = consumer(0), consumer(1)
-    gather_block = block_gatherer(block_n, d_v, skip_unused)
+    check_kv_hint(kv_hint, split_ready)
+    gather_block = block_gatherer(block_n, d_v, skip_unused, kv_hint)
+    gather_lo = block_gatherer(block_n, d_v, skip_unused, kv_hint, "lo")
+    gather_hi = block_gatherer(block_n, d_v, skip_unused, kv_hint, "hi")
+    q_policy = "evict_first" if q_evict_first else None
     n_buf = 2 * sets
 
     @T.prim_func
@@ -227,7 +311,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         Out: T.Tensor((n_q, heads, d_v), dtype),
         Lse: T.Tensor((n_q, heads), acc_t),
     ):
-        with T.Kernel(n_q, hb_n, threads=3 * wg) as (tok, hb):
+        with T.Kernel(n_q, hb_n, threads=3 * wg, prelude=kernel_prelude(kv_hint)) as (tok, hb):
             q_lat = T.alloc_shared((HEAD_BLOCK, d_v), dtype)
             q_rope = T.alloc_shared((HEAD_BLOCK, d_rope), dtype)
             # kv buffer b of set st holds block 2 (sets it0 + st) + b; with 64-row blocks its rope part then holds
@@ -271,6 +355,9 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
             bar_q = T.alloc_barrier(arrive_count=3 * wg)
             bar_ready = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * n_buf)  # kv buffer b gathered
+            # split_ready: the first latent half of kv buffer b gathered (None without it: a macro argument bound to
+            # bar_ready would rename that barrier in the source)
+            bar_lo = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * n_buf) if split_ready else None
             bar_free = T.alloc_barrier(arrive_count=[2 * wg] * n_buf)  # kv buffer b read by both consumers
             bar_m0 = T.alloc_barrier(arrive_count=wg)  # m0_sh written
             bar_m1 = T.alloc_barrier(arrive_count=wg)  # m1_sh written
@@ -279,8 +366,8 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
             h0 = hb * HEAD_BLOCK
             tx = T.get_thread_binding()
-            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q)
-            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q)
+            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q, eviction_policy=q_policy)
+            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q, eviction_policy=q_policy)
             T.barrier_arrive(bar_q)
 
             # buffer b's / consumer c's shared tiles (indexed by b or c in the roles below)
@@ -288,7 +375,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             k_rope = (k0_rope, k1_rope, k2_rope, k3_rope)[:n_buf]
             p_of = k_rope if p_in_rope else (p0_sh, p1_sh, p0_sh, p1_sh)[:n_buf]  # buffer b's block's p tile
             m_sh, l_sh = (m0_sh, m1_sh), (l0_sh, l1_sh)
-            bars = (bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l)
+            bars = (bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo)
             # one if / elif / else chain: separate ifs make TileLang put a block-wide __syncthreads between the roles
             if tx < wg:
                 consumer0(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s0, acc0, m_run0,
@@ -306,8 +393,14 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         for b in (0, 1):
                             buf = 2 * st + b
                             T.barrier_wait(bar_free[buf], (it0 & 1) ^ 1)
-                            gather_block(KV, Idx, tok, (2 * (it0 * sets + st) + b) * block_n, it0, n_kv, k_lat[buf],
-                                         k_rope[buf], r0, col, row)
+                            slot0 = (2 * (it0 * sets + st) + b) * block_n
+                            if split_ready:  # each half completes its own barrier (noinc: all this thread's copies
+                                # issued before it)
+                                gather_lo(KV, Idx, tok, slot0, it0, n_kv, k_lat[buf], k_rope[buf], r0, col, row)
+                                T.cp_async_barrier_noinc(bar_lo[buf])
+                                gather_hi(KV, Idx, tok, slot0, it0, n_kv, k_lat[buf], k_rope[buf], r0, col, row)
+                            else:
+                                gather_block(KV, Idx, tok, slot0, it0, n_kv, k_lat[buf], k_rope[buf], r0, col, row)
                             T.cp_async_barrier_noinc(bar_ready[buf])
 
     return sparse_mla_fwd_ws_kernel
@@ -315,7 +408,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
 #: the tilelang backend's forward: this module's kernel through ``tilelang_sparse_fwd`` (top-k padded to two blocks)
 WS_CONFIG = dict(builder=build_sparse_fwd_ws, topk_multiple=STEP, consumer_regs=232, producer_regs=40,
-                 fast_math=True, early_release=True, bounded=False)
+                 fast_math=True, early_release=True, bounded=False, split_ready=True)
 #: the same kernel stopping after each query's last used slot: SLOWER on the H200 (3.01 vs 2.09 ms at S 4096,
 #: causal top-k 2048, although it computes a quarter fewer steps; the lowered source differs only in the loop bound
 #: and a bounds check, cause not found; session 11, docs/performance.md), kept for the benchmark's comparison
@@ -328,6 +421,12 @@ WS_GATHER_ALL_CONFIG = dict(WS_CONFIG, skip_unused=False)
 WS_LATE_RELEASE_CONFIG = dict(WS_CONFIG, early_release=False)
 WS32_CONFIG = dict(WS_CONFIG, block_n=32, early_release=False)
 WS32_EARLY_CONFIG = dict(WS_CONFIG, block_n=32)
+#: L2 hints (``KV_HINTS``): evict-last kv gathers with q's TMA loads evict-first, and the same with a 256-byte L2
+#: prefetch, for the benchmark's comparison (no gain measured on the H100: docs/performance.md, session 17)
+WS_L2_HINTS_CONFIG = dict(WS_CONFIG, kv_hint="evict_last", q_evict_first=True, split_ready=False)
+WS_L2_256B_CONFIG = dict(WS_L2_HINTS_CONFIG, kv_hint="evict_last_256b")
+#: each kv block gathered whole before q k^T starts (``split_ready`` False: the default before 2026-12-07)
+WS_WHOLE_BLOCKS_CONFIG = dict(WS_CONFIG, split_ready=False)
 
 
 build_sparse_fwd_ws.takes_ends = True  # the kernel's 4th argument is Ends (a placeholder unless bounded)
