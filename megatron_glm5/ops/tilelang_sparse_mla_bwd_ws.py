@@ -48,7 +48,7 @@ from . import triton_sparse_mla as tsm
 from .base import pad_topk, warn_once
 from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, bounded_steps, check_tiles, compiled_kernel,
                                   pop_pass_configs, tilelang_unsupported_reason)
-from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, block_gatherer, check_kv_hint, kernel_prelude
+from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, buffer_filler, kernel_prelude, scores_product
 
 __all__ = ["PDS_WS_CONFIG", "build_sparse_pds_ws", "pds_ws_unsupported_reason", "tilelang_sparse_bwd_dense"]
 
@@ -102,7 +102,8 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     n_kc = T.dynamic("n_kc")
     wg = 128
     hs_shape = (n_q, topk_real) if head_sums else (1, 1)  # without head sums: a 1 x 1 placeholder
-    half = d_v // 2
+
+    qk = scores_product(d_v, split_ready)
 
     def consumer(c: int):
         """T.macro: consumer warpgroup c's part (block 2 it + c of each step, in kv buffer c); do_f .. hsum: its
@@ -119,15 +120,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 dlt[i] = Delta[tok, h0 + i]
             T.barrier_wait(bar_q, 0)
             for it in T.serial(n_it):
-                if split_ready:  # q k^T on the first latent half while the rest is in flight
-                    T.barrier_wait(bar_lo[c], it & 1)
-                    T.gemm(q_lat[:, 0:half], k_lat[c][:, 0:half], s, transpose_B=True, clear_accum=True)
-                    T.barrier_wait(bar_ready[c], it & 1)
-                    T.gemm(q_lat[:, half:d_v], k_lat[c][:, half:d_v], s, transpose_B=True)
-                else:
-                    T.barrier_wait(bar_ready[c], it & 1)
-                    T.gemm(q_lat, k_lat[c], s, transpose_B=True, clear_accum=True)
-                T.gemm(q_rope, k_rope[c], s, transpose_B=True)
+                qk(q_lat, q_rope, k_lat[c], k_rope[c], s, bar_lo, bar_ready, c, it & 1)
                 T.gemm(do_f, k_lat[c], dp, transpose_B=True, clear_accum=True)
                 if not head_sums and not staged:
                     T.barrier_arrive(bar_free[c])
@@ -180,10 +173,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         return run
 
     consumer0, consumer1 = consumer(0), consumer(1)
-    check_kv_hint(kv_hint, split_ready)
-    gather_block = block_gatherer(BLOCK_N, d_v, skip_unused, kv_hint)
-    gather_lo = block_gatherer(BLOCK_N, d_v, skip_unused, kv_hint, "lo")
-    gather_hi = block_gatherer(BLOCK_N, d_v, skip_unused, kv_hint, "hi")
+    fill = buffer_filler(BLOCK_N, d_v, skip_unused, kv_hint, split_ready)
     q_policy = "evict_first" if q_evict_first else None
 
     @T.prim_func
@@ -257,14 +247,8 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 for it in T.serial(n_it):
                     for b in (0, 1):  # Python-unrolled: buffer indices stay Python ints
                         T.barrier_wait(bar_free[b], (it & 1) ^ 1)
-                        slot0 = (2 * it + b) * BLOCK_N
-                        if split_ready:  # each half completes its own barrier
-                            gather_lo(KV, Idx, tok, slot0, it, n_kv, k_lat[b], k_rope[b], r0, col, row)
-                            T.cp_async_barrier_noinc(bar_lo[b])
-                            gather_hi(KV, Idx, tok, slot0, it, n_kv, k_lat[b], k_rope[b], r0, col, row)
-                        else:
-                            gather_block(KV, Idx, tok, slot0, it, n_kv, k_lat[b], k_rope[b], r0, col, row)
-                        T.cp_async_barrier_noinc(bar_ready[b])
+                        fill(KV, Idx, tok, (2 * it + b) * BLOCK_N, it, n_kv, k_lat[b], k_rope[b], r0, col, row,
+                             bar_lo, bar_ready, b)
 
     return sparse_mla_pds_ws_kernel
 

@@ -156,6 +156,54 @@ def block_gatherer(block_n: int, d_v: int, skip_unused: bool, kv_hint=None, part
     return gather_block
 
 
+def buffer_filler(block_n: int, d_v: int, skip_unused: bool, kv_hint=None, split_ready: bool = False):
+    """T.macro: the producer's fill of kv buffer b with one block (``block_gatherer``): the whole block completing
+    bar_ready[b], or with split_ready the first latent half completing bar_lo[b] and then the rest bar_ready[b]
+    (cp.async.mbarrier.arrive.noinc fires once this thread's copies issued before it are done).  bar_lo: None
+    without split_ready."""
+    import tilelang.language as T
+
+    check_kv_hint(kv_hint, split_ready)
+    whole = block_gatherer(block_n, d_v, skip_unused, kv_hint)
+    lo = block_gatherer(block_n, d_v, skip_unused, kv_hint, "lo")
+    hi = block_gatherer(block_n, d_v, skip_unused, kv_hint, "hi")
+
+    @T.macro
+    def fill(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row, bar_lo, bar_ready, b):
+        if split_ready:
+            lo(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row)
+            T.cp_async_barrier_noinc(bar_lo[b])
+            hi(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row)
+        else:
+            whole(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row)
+        T.cp_async_barrier_noinc(bar_ready[b])
+
+    return fill
+
+
+def scores_product(d_v: int, split_ready: bool):
+    """T.macro: s = q k^T (latent + rope, fp32, cleared first) of kv buffer b once its producer is done with it
+    (phase: the buffer's use parity); with split_ready the first latent half is multiplied after bar_lo[b] and the
+    rest after bar_ready[b].  Our warp-specialised forward and the backward's scores kernel share it."""
+    import tilelang.language as T
+
+    half = d_v // 2
+
+    @T.macro
+    def product(q_lat, q_rope, k_lat_b, k_rope_b, s, bar_lo, bar_ready, b, phase):
+        if split_ready:  # q k^T on the first latent half while the rest is in flight
+            T.barrier_wait(bar_lo[b], phase)
+            T.gemm(q_lat[:, 0:half], k_lat_b[:, 0:half], s, transpose_B=True, clear_accum=True)
+            T.barrier_wait(bar_ready[b], phase)
+            T.gemm(q_lat[:, half:d_v], k_lat_b[:, half:d_v], s, transpose_B=True)
+        else:
+            T.barrier_wait(bar_ready[b], phase)
+            T.gemm(q_lat, k_lat_b, s, transpose_B=True, clear_accum=True)
+        T.gemm(q_rope, k_rope_b, s, transpose_B=True)
+
+    return product
+
+
 def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, consumer_regs: int = 232,
                         producer_regs: int = 40, skip_unused: bool = True, block_n: int = BLOCK_N,
                         early_release: bool = False, bounded: bool = False, kv_hint=None, q_evict_first: bool = False,
@@ -202,6 +250,8 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     wg = 128  # threads per warpgroup
     ends_shape = (n_q,) if bounded else (1,)  # unbounded: a placeholder
 
+    qk = scores_product(d_v, split_ready)
+
     def consumer(c: int):
         """T.macro: consumer warpgroup c's whole part (block 2 it + c of each pair it, in kv buffer 2 set + c;
         output columns c * half ..); k_lat / k_rope / p_of (by buffer), m_sh / l_sh (by consumer): tuples;
@@ -222,15 +272,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                     it = it0 * sets + st
                     ph = it & 1
                     mine, other = 2 * st + c, 2 * st + o
-                    if split_ready:  # q k^T on the first latent half while the rest is in flight
-                        T.barrier_wait(bar_lo[mine], it0 & 1)
-                        T.gemm(q_lat[:, 0:half], k_lat[mine][:, 0:half], s, transpose_B=True, clear_accum=True)
-                        T.barrier_wait(bar_ready[mine], it0 & 1)
-                        T.gemm(q_lat[:, half:d_v], k_lat[mine][:, half:d_v], s, transpose_B=True)
-                    else:
-                        T.barrier_wait(bar_ready[mine], it0 & 1)
-                        T.gemm(q_lat, k_lat[mine], s, transpose_B=True, clear_accum=True)
-                    T.gemm(q_rope, k_rope[mine], s, transpose_B=True)
+                    qk(q_lat, q_rope, k_lat[mine], k_rope[mine], s, bar_lo, bar_ready, mine, it0 & 1)
                     for i, j in T.Parallel(HEAD_BLOCK, block_n):
                         sel = Idx[tok, (2 * it + c) * block_n + j]
                         s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity(acc_t))
@@ -295,10 +337,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         return run
 
     consumer0, consumer1 = consumer(0), consumer(1)
-    check_kv_hint(kv_hint, split_ready)
-    gather_block = block_gatherer(block_n, d_v, skip_unused, kv_hint)
-    gather_lo = block_gatherer(block_n, d_v, skip_unused, kv_hint, "lo")
-    gather_hi = block_gatherer(block_n, d_v, skip_unused, kv_hint, "hi")
+    fill = buffer_filler(block_n, d_v, skip_unused, kv_hint, split_ready)
     q_policy = "evict_first" if q_evict_first else None
     n_buf = 2 * sets
 
@@ -393,15 +432,8 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         for b in (0, 1):
                             buf = 2 * st + b
                             T.barrier_wait(bar_free[buf], (it0 & 1) ^ 1)
-                            slot0 = (2 * (it0 * sets + st) + b) * block_n
-                            if split_ready:  # each half completes its own barrier (noinc: all this thread's copies
-                                # issued before it)
-                                gather_lo(KV, Idx, tok, slot0, it0, n_kv, k_lat[buf], k_rope[buf], r0, col, row)
-                                T.cp_async_barrier_noinc(bar_lo[buf])
-                                gather_hi(KV, Idx, tok, slot0, it0, n_kv, k_lat[buf], k_rope[buf], r0, col, row)
-                            else:
-                                gather_block(KV, Idx, tok, slot0, it0, n_kv, k_lat[buf], k_rope[buf], r0, col, row)
-                            T.cp_async_barrier_noinc(bar_ready[buf])
+                            fill(KV, Idx, tok, (2 * (it0 * sets + st) + b) * block_n, it0, n_kv, k_lat[buf],
+                                 k_rope[buf], r0, col, row, bar_lo, bar_ready, buf)
 
     return sparse_mla_fwd_ws_kernel
 
