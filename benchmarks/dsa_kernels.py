@@ -88,6 +88,23 @@ def timed(fn, refill, reps):
     return median_ms(fn, reps, 3, refill)
 
 
+def interleaved_ms(runs, refill, reps, rounds):
+    """{name: [ms of round 1, ..., ms of round `rounds`]}: each run (a dict name -> callable, in order) timed once per
+    round (``timed``: the median of reps), the rounds one after another -- so a drift of the GPU's clocks over the
+    run spreads over every configuration instead of favouring the ones timed first."""
+    out = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            out[name].append(timed(fn, refill, reps))
+    return out
+
+
+def median(xs):
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
+
+
 class Problem:
     def __init__(self, seq):
         from megatron_glm5.ops import triton_indexer
@@ -299,28 +316,33 @@ def load_baseline(path):
 
 
 def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=None, bwd_only=False,
-          bwd_variants=None, baseline=None, dense_match=None):
+          bwd_variants=None, baseline=None, dense_match=None, rounds=3):
     from megatron_glm5.ops import reference, triton_indexer, triton_kl
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
     p = Problem(seq)
     rows = []
 
-    def add(kernel, ms, flop=None):
+    def add(kernel, ms, flop=None, spread=None):
         row = dict(seq=seq, kernel=kernel, ms=round(ms, 3))
+        if spread:  # the rounds' medians (interleaved_ms), when there were several
+            row["ms_rounds"] = [round(x, 3) for x in spread]
         if flop:
             row["tflops"] = round(flop / ms / 1e9, 1)
             row["pct_of_peak"] = round(100 * row["tflops"] / peak, 1)
         rows.append(row)
         log(f"S={seq:6d} {kernel:38s} {ms:9.2f} ms" + (
-            f" {row['tflops']:7.1f} TFLOP/s ({row['pct_of_peak']:.0f}% of {peak:.0f})" if flop else ""))
+            f" {row['tflops']:7.1f} TFLOP/s ({row['pct_of_peak']:.0f}% of {peak:.0f})" if flop else "") + (
+            f"  rounds {min(spread):.2f}-{max(spread):.2f} ms" if spread else ""))
 
     from megatron_glm5.ops import tilelang_sparse_mla
 
     has_tilelang = tilelang_sparse_mla.probe_tilelang()
 
-    def tilelang_rows(label, fn, configs, n_reps, flop=None):
-        """One row per (label suffix, config) of one of our TileLang kernels (compiled outside the timing)."""
+    def tilelang_rows(label, fn, configs, n_reps, flop=None, n_rounds=1):
+        """One row per (label suffix, config) of one of our TileLang kernels (compiled outside the timing); with
+        n_rounds > 1 the configurations are timed in interleaved rounds and each row is the median of its rounds."""
+        runs = {}
         for suffix, cfg in configs:
             run = functools.partial(fn, config=cfg)
             try:
@@ -328,7 +350,9 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             except Exception as e:  # one configuration that fails to build or run does not end the benchmark
                 log(f"S={seq:6d} {label.format(suffix)}: FAILED {type(e).__name__}: {str(e)[-300:]}")
                 continue
-            add(label.format(suffix), timed(run, p.refill, n_reps), flop)
+            runs[label.format(suffix)] = run
+        for name, ms in interleaved_ms(runs, p.refill, n_reps, n_rounds).items():
+            add(name, median(ms), flop, ms if n_rounds > 1 else None)
 
     if bwd_only:  # the sparse MLA rows alone: the forward, then every backward variant (ours in TileLang too)
         out, lse = _fwd_bwd_rows(p, reps, add, tsm, bwd_variants, baseline)
@@ -336,14 +360,12 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             from megatron_glm5.ops import tilelang_sparse_mla_ws
 
             ws = tilelang_sparse_mla_ws
-            # the default (each kv block gathered in two halves), whole blocks, the L2 hints (KV_HINTS); then the
-            # first two again (the drift between rows of one run)
+            # the default (each kv block gathered in two halves), whole blocks, the L2 hints (KV_HINTS), in
+            # interleaved rounds (rows of one configuration drift by up to 4.5 % over a run: session 17)
             tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
                 tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV),
                 ((", warp-specialised", ws.WS_CONFIG), (", warp-specialised, whole blocks", ws.WS_WHOLE_BLOCKS_CONFIG),
-                 (", warp-specialised, L2 hints", ws.WS_L2_HINTS_CONFIG),
-                 (", warp-specialised (again)", ws.WS_CONFIG),
-                 (", warp-specialised, whole blocks (again)", ws.WS_WHOLE_BLOCKS_CONFIG)), reps, p.fwd_flop)
+                 (", warp-specialised, L2 hints", ws.WS_L2_HINTS_CONFIG)), reps, p.fwd_flop, rounds)
             _dense_bwd_rows(p, out, lse, reps, add, dense_match)
         torch.cuda.empty_cache()
         return rows
@@ -504,6 +526,9 @@ def main(argv=None):
     ap.add_argument("--dense-match", default=None, metavar="REGEX",
                     help="time only the variants of our TileLang dense backward whose row text this regular "
                          "expression finds (the four default rows always; default: every variant)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="with --bwd-only: time our TileLang forward's configurations in this many interleaved rounds "
+                         "and report each one's median round (default 3)")
     ap.add_argument("--bwd-baseline", default=None, metavar="FILE",
                     help="also time the default backward of this copy of ops/triton_sparse_mla.py in the same run "
                          "(e.g. git show REV:megatron_glm5/ops/triton_sparse_mla.py > FILE)")
@@ -532,7 +557,8 @@ def main(argv=None):
     baseline = load_baseline(args.bwd_baseline) if args.bwd_baseline else None
     for seq in args.seqs:
         result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log, args.peak_tflops,
-                                args.tilelang_examples, args.bwd_only, variants, baseline, args.dense_match)
+                                args.tilelang_examples, args.bwd_only, variants, baseline, args.dense_match,
+                                args.rounds)
         if args.profile_bwd:
             profile_dense_bwd(seq, log)
     for tokens in args.moe_tokens:

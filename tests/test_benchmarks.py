@@ -142,3 +142,23 @@ def test_l2_persistence_benchmark_parses_its_arguments():
                        text=True, timeout=120, cwd=REPO / "benchmarks")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--seqs" in r.stdout and "L2" in r.stdout
+
+
+def test_interleaved_rounds_time_every_configuration_once_per_round(monkeypatch):
+    """dsa_kernels.interleaved_ms: round by round, each configuration once in the given order (a fake clock that
+    drifts by +1 ms per call stands in for the GPU), and the median of an odd / even number of rounds."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import dsa_kernels as kernels
+
+    calls = []
+
+    def fake_timed(fn, refill, reps):
+        calls.append(fn())
+        return float(len(calls))  # a clock that drifts: later calls read slower
+
+    monkeypatch.setattr(kernels, "timed", fake_timed)
+    got = kernels.interleaved_ms({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, None, 5, 3)
+    assert calls == ["a", "b", "c"] * 3
+    assert got == {"a": [1.0, 4.0, 7.0], "b": [2.0, 5.0, 8.0], "c": [3.0, 6.0, 9.0]}
+    assert kernels.median(got["b"]) == 5.0 and kernels.median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    assert kernels.interleaved_ms({"a": lambda: "a"}, None, 5, 1) == {"a": [10.0]}
