@@ -101,13 +101,15 @@ def test_l2_hints_reach_the_gathers_and_q_loads(tmp_path, kernel):
     plain = lower(kv_hint=None, q_evict_first=False)
     assert "glm5_cp_async16" not in plain and "EVICT_FIRST" not in plain
     assert plain.count("cp_async_gs") >= 4  # latent and rope copies of both buffers
-    for hint, fn in (("evict_last", "glm5_cp_async16_evict_last("), ("evict_last_256b", "glm5_cp_async16_evict_last_256b(")):
+    for hint, fn in (("evict_last", "glm5_cp_async16_evict_last("),
+                     ("evict_last_256b", "glm5_cp_async16_evict_last_256b(")):
         src = lower(kv_hint=hint, q_evict_first=True)
         producer = role_sources(src)[2]
         assert producer.count(fn) == 4 and "cp_async_gs" not in producer  # latent + rope, both buffers
         assert "__sync_thread_partial" not in producer
         assert producer.count("mbarrier_cp_async_arrive_noinc") == 2  # the copies still complete the ready barriers
-        assert src.count("tma_load<tl::CacheHintSm90::EVICT_FIRST>") == 2 and "createpolicy.fractional.L2::evict_last" in src
+        assert src.count("tma_load<tl::CacheHintSm90::EVICT_FIRST>") == 2
+        assert "createpolicy.fractional.L2::evict_last" in src
         report = nvcc_cubin(tmp_path, src)
         if report is not None:
             assert " 0 bytes spill stores" in report, report

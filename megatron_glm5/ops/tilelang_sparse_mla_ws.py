@@ -55,8 +55,8 @@ from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, ch
 
 __all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG",
            "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG", "WS_L2_HINTS_CONFIG", "WS_L2_256B_CONFIG",
-           "WS_WHOLE_BLOCKS_CONFIG", "KV_HINTS", "block_gatherer", "check_kv_hint", "build_sparse_fwd_ws", "kernel_prelude",
-           "tilelang_sparse_fwd_ws", "ws_fits"]
+           "WS_WHOLE_BLOCKS_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler", "build_sparse_fwd_ws",
+           "check_kv_hint", "kernel_prelude", "scores_product", "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
 STEP = 2 * BLOCK_N  # top-k slots per step of the loop (a block per consumer; four 32-row blocks with block_n 32)
@@ -229,11 +229,11 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     buffers in the same order (even block first) and free each right after its last use (p published with an
     explicit async-proxy fence), so the producer can refill the even buffer during the odd block's p V.
     bounded: the kernel takes Ends int32 [n_q] after Idx, each query's count of 128-slot steps up to its last
-    used slot (``tilelang_sparse_mla.bounded_steps``), and stops there (the causal padding of early tokens is not computed).
-    kv_hint: the L2 policy of the kv gathers (``KV_HINTS``); q_evict_first: q's TMA loads (each q read once) carry
-    an L2 evict-first hint.  split_ready: the producer gathers each block in two halves (the first half of the
-    latent columns, then the rest with the rope part), each completing its own "ready" barrier, and the consumer
-    starts q k^T on the first half while the second is in flight."""
+    used slot (``tilelang_sparse_mla.bounded_steps``), and stops there (the causal padding of early tokens is not
+    computed).  kv_hint: the L2 policy of the kv gathers (``KV_HINTS``); q_evict_first: q's TMA loads (each q read
+    once) carry an L2 evict-first hint.  split_ready: the producer gathers each block in two halves (the first half
+    of the latent columns, then the rest with the rope part), each completing its own "ready" barrier, and the
+    consumer starts q k^T on the first half while the second is in flight."""
     import tilelang.language as T
 
     if block_n not in (32, BLOCK_N):
@@ -459,8 +459,8 @@ WS_EXACT_CONFIG = dict(WS_CONFIG, fast_math=False)
 WS_GATHER_ALL_CONFIG = dict(WS_CONFIG, skip_unused=False)
 #: schedule variants (``build_sparse_fwd_ws``'s block_n / early_release), for the benchmark's comparison
 WS_LATE_RELEASE_CONFIG = dict(WS_CONFIG, early_release=False)
-WS32_CONFIG = dict(WS_CONFIG, block_n=32, early_release=False)
-WS32_EARLY_CONFIG = dict(WS_CONFIG, block_n=32)
+WS32_CONFIG = dict(WS_CONFIG, block_n=32, early_release=False, split_ready=False)  # (as GPU-tested: whole blocks)
+WS32_EARLY_CONFIG = dict(WS_CONFIG, block_n=32, split_ready=False)
 #: L2 hints (``KV_HINTS``): evict-last kv gathers with q's TMA loads evict-first, and the same with a 256-byte L2
 #: prefetch, for the benchmark's comparison (no gain measured on the H100: docs/performance.md, session 17)
 WS_L2_HINTS_CONFIG = dict(WS_CONFIG, kv_hint="evict_last", q_evict_first=True, split_ready=False)
