@@ -30,6 +30,7 @@ DENSE_KEY_RATIO = {"atomic": 8.0, "deterministic": 20.0}
 # against 203.0 at 32768, 123.9 against 121.8 at 24576 -- hence the default "atomic" (prefix_applies)
 PREFIX_KEY_RATIO = {"atomic": 6.0, "deterministic": 10.0}
 MIN_PREFIX_ROWS = 256
+DENSE_PREFIX_DEFAULT = "atomic"  # BWD_CONFIG's DENSE_PREFIX, which the memory planner counts (kept_buffer_bytes)
 # BWD_CONFIG ZEROS "auto": the dense plan keeps its buffer zero between backwards ("restore") where n_keys / topk
 # exceeds this (the selected entries a small part of the matrices), else it zeroes each chunk's ("memset")
 ZEROS_RESTORE_RATIO = 2.0
@@ -141,6 +142,6 @@ def kept_buffer_bytes(n_q: int, n_keys: int, heads: int, topk: int, elt: int = 2
         return 0
     if auto_dk_mode(n_keys, topk, det) == "dense":
         return _dense_buffer_bytes(n_q, n_keys, n_keys, heads, elt) if auto_restores(n_keys, topk) else 0
-    if dense_prefix and prefix_applies("atomic", n_keys, topk, det):
+    if dense_prefix and prefix_applies(DENSE_PREFIX_DEFAULT, n_keys, topk, det):
         return dense_prefix_buffer_bytes(n_q, n_keys, heads, topk, elt)
     return 0

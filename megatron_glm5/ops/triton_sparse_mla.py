@@ -72,8 +72,9 @@ from triton.runtime.errors import OutOfResources
 
 from . import host_windows, triton_interpret_compat
 from .base import sparse_mla_autograd, warn_once
-from .sparse_bwd_budget import (DENSE_KEY_RATIO, DET_BUFFER_BYTES, MIN_PREFIX_ROWS,  # noqa: F401 (re-exported)
-                                PDS_BUFFER_BYTES, ZEROS_RESTORE_RATIO, auto_dk_mode, auto_restores, chunk_rows,
+from .sparse_bwd_budget import (DENSE_KEY_RATIO, DENSE_PREFIX_DEFAULT,  # noqa: F401 (re-exported)
+                                DET_BUFFER_BYTES, MIN_PREFIX_ROWS, PDS_BUFFER_BYTES, ZEROS_RESTORE_RATIO,
+                                auto_dk_mode, auto_restores, chunk_rows,
                                 dense_prefix_rows, dense_rows, deterministic_default, prefix_applies)
 
 triton_interpret_compat.apply()
@@ -95,7 +96,7 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
                   DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128,
                   DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3, ZERO_AHEAD=True,
-                  ZEROS="auto", DENSE_PREFIX="atomic")
+                  ZEROS="auto", DENSE_PREFIX=DENSE_PREFIX_DEFAULT)
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
 # _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
 # chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_ROWS: at
