@@ -315,8 +315,30 @@ def load_baseline(path):
     return mod
 
 
+def fwd_round_configs():
+    """(row suffix, config) of our warp-specialised forward timed in interleaved rounds: the default (lockstep
+    consumers, each kv block gathered in two halves), whole blocks, the L2 hints (KV_HINTS) and the staggered
+    consumers (tilelang_sparse_mla_staggered)."""
+    from megatron_glm5.ops import tilelang_sparse_mla_staggered as stg
+    from megatron_glm5.ops import tilelang_sparse_mla_ws as ws
+
+    return ((", warp-specialised", ws.WS_CONFIG), (", warp-specialised, whole blocks", ws.WS_WHOLE_BLOCKS_CONFIG),
+            (", warp-specialised, L2 hints", ws.WS_L2_HINTS_CONFIG),
+            (", warp-specialised, staggered", stg.WS_STAGGERED_CONFIG))
+
+
+def _flashmla_row(p, reps, add):
+    """FlashMLA's sparse prefill forward (the peer), when FlashMLA is built on this machine."""
+    from megatron_glm5.ops import flashmla_sparse_mla
+
+    if flashmla_sparse_mla.probe_flash_mla():
+        add("sparse_mla fwd (FlashMLA flash_mla_sparse_fwd)", timed(
+            lambda: flashmla_sparse_mla.flash_mla_sparse_forward(p.q, p.kv, p.indices, p.scale, DV), p.refill, reps),
+            p.fwd_flop)
+
+
 def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=None, bwd_only=False,
-          bwd_variants=None, baseline=None, dense_match=None, rounds=3):
+          bwd_variants=None, baseline=None, dense_match=None, rounds=3, fwd_only=False):
     from megatron_glm5.ops import reference, triton_indexer, triton_kl
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -354,18 +376,23 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
         for name, ms in interleaved_ms(runs, p.refill, n_reps, n_rounds).items():
             add(name, median(ms), flop, ms if n_rounds > 1 else None)
 
+    def ws_forward_rows():
+        """Our warp-specialised forward's configurations (fwd_round_configs) in interleaved rounds (rows of one
+        configuration drift by up to 4.5 % over a run: session 17)."""
+        tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
+            tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV), fwd_round_configs(), reps,
+            p.fwd_flop, rounds)
+
+    if fwd_only:  # our TileLang forward's configurations alone (FlashMLA's in the same run when it is built here)
+        if has_tilelang:
+            ws_forward_rows()
+        _flashmla_row(p, reps, add)
+        torch.cuda.empty_cache()
+        return rows
     if bwd_only:  # the sparse MLA rows alone: the forward, then every backward variant (ours in TileLang too)
         out, lse = _fwd_bwd_rows(p, reps, add, tsm, bwd_variants, baseline)
         if has_tilelang:
-            from megatron_glm5.ops import tilelang_sparse_mla_ws
-
-            ws = tilelang_sparse_mla_ws
-            # the default (each kv block gathered in two halves), whole blocks, the L2 hints (KV_HINTS), in
-            # interleaved rounds (rows of one configuration drift by up to 4.5 % over a run: session 17)
-            tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
-                tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV),
-                ((", warp-specialised", ws.WS_CONFIG), (", warp-specialised, whole blocks", ws.WS_WHOLE_BLOCKS_CONFIG),
-                 (", warp-specialised, L2 hints", ws.WS_L2_HINTS_CONFIG)), reps, p.fwd_flop, rounds)
+            ws_forward_rows()
             _dense_bwd_rows(p, out, lse, reps, add, dense_match)
         torch.cuda.empty_cache()
         return rows
@@ -398,12 +425,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             lambda: triton_kl.indexer_kl_loss_sparse(qi, ki, w, DI ** -0.5, p.q, p.kv, p.scale, p.indices, DV,
                                                      attn_lse=lse, deterministic=det)[0].backward(),
             p.refill, max(5, reps // 4)))
-    from megatron_glm5.ops import flashmla_sparse_mla
-
-    if flashmla_sparse_mla.probe_flash_mla():  # peer kernel, when FlashMLA is built on this machine
-        add("sparse_mla fwd (FlashMLA flash_mla_sparse_fwd)", timed(
-            lambda: flashmla_sparse_mla.flash_mla_sparse_forward(p.q, p.kv, p.indices, p.scale, DV), p.refill, reps),
-            p.fwd_flop)
+    _flashmla_row(p, reps, add)
     if has_tilelang:  # our TileLang forward and backward
         from megatron_glm5.ops import tilelang_sparse_mla_bwd, tilelang_sparse_mla_ws
 
@@ -412,6 +434,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             ((", warp-specialised", tilelang_sparse_mla_ws.WS_CONFIG),
              (", warp-specialised, whole blocks", tilelang_sparse_mla_ws.WS_WHOLE_BLOCKS_CONFIG),
              (", warp-specialised, bounded (stops after the last used slot)", tilelang_sparse_mla_ws.WS_BOUNDED_CONFIG),
+             fwd_round_configs()[-1],  # the staggered consumers
              (", plain loop", tilelang_sparse_mla.FWD_CONFIG),
              (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG),
              (", pipelined, 64 rows", tilelang_sparse_mla.PIPELINED64_CONFIG)), reps,
@@ -519,6 +542,9 @@ def main(argv=None):
     ap.add_argument("--bwd-only", action="store_true",
                     help="only the sparse MLA forward and backward rows, Triton's and (with tilelang) our TileLang "
                          "dense backward's (and only the backward's sweep)")
+    ap.add_argument("--fwd-only", action="store_true",
+                    help="only our TileLang forward's configurations, in interleaved rounds (--rounds), and "
+                         "FlashMLA's forward when it is built here")
     ap.add_argument("--profile-bwd", action="store_true",
                     help="also print where our TileLang backward's GPU time goes, kernel by kernel (torch profiler)")
     ap.add_argument("--bwd-variants", default=None,
@@ -527,7 +553,7 @@ def main(argv=None):
                     help="time only the variants of our TileLang dense backward whose row text this regular "
                          "expression finds (the four default rows always; default: every variant)")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="with --bwd-only: time our TileLang forward's configurations in this many interleaved rounds "
+                    help="with --bwd-only / --fwd-only: time our TileLang forward's configurations in this many interleaved rounds "
                          "and report each one's median round (default 3)")
     ap.add_argument("--bwd-baseline", default=None, metavar="FILE",
                     help="also time the default backward of this copy of ops/triton_sparse_mla.py in the same run "
@@ -558,7 +584,7 @@ def main(argv=None):
     for seq in args.seqs:
         result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log, args.peak_tflops,
                                 args.tilelang_examples, args.bwd_only, variants, baseline, args.dense_match,
-                                args.rounds)
+                                args.rounds, args.fwd_only)
         if args.profile_bwd:
             profile_dense_bwd(seq, log)
     for tokens in args.moe_tokens:

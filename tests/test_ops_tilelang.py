@@ -24,6 +24,7 @@ from megatron_glm5.ops import tilelang_sparse_mla as tlm
 from megatron_glm5.ops import tilelang_sparse_mla_bwd as tlb
 from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
 from megatron_glm5.ops import tilelang_sparse_mla_ws as tlws
+from megatron_glm5.ops import tilelang_sparse_mla_staggered as tls
 from megatron_glm5.ops.tilelang_backend import TilelangBackend
 from megatron_glm5.ops.tilelang_sparse_mla import TILELANG_INSTALL
 from megatron_glm5.ops.triton_backend import TritonBackend
@@ -451,7 +452,8 @@ CONFIGS = {"default": tlm.FWD_CONFIG, "pipelined": tlm.PIPELINED_CONFIG, "pipeli
 GPU_CONFIGS = dict(CONFIGS, ws=tlws.WS_CONFIG, ws_bounded=tlws.WS_BOUNDED_CONFIG,
                    ws_exact=tlws.WS_EXACT_CONFIG, ws_gather_all=tlws.WS_GATHER_ALL_CONFIG, ws_late=tlws.WS_LATE_RELEASE_CONFIG, ws32=tlws.WS32_CONFIG,
                    ws32_early=tlws.WS32_EARLY_CONFIG, ws_l2_hints=tlws.WS_L2_HINTS_CONFIG,
-                   ws_l2_256b=tlws.WS_L2_256B_CONFIG, ws_whole_blocks=tlws.WS_WHOLE_BLOCKS_CONFIG)
+                   ws_l2_256b=tlws.WS_L2_256B_CONFIG, ws_whole_blocks=tlws.WS_WHOLE_BLOCKS_CONFIG,
+                   ws_staggered=tls.WS_STAGGERED_CONFIG)
 
 
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG,

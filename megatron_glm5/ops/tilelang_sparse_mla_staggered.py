@@ -1,0 +1,295 @@
+"""Our staggered warp-specialised TileLang sparse MLA forward (``WS_STAGGERED_CONFIG``): the same roles, buffers and
+gathers as ``tilelang_sparse_mla_ws`` (a producer warpgroup gathering 64-row kv blocks with cp.async into two
+buffers, two consumer warpgroups), with the consumers no longer in lockstep.
+
+Why: in the lockstep kernel (``WS_CONFIG``) both consumers compute q k^T together, exchange the row max, run the
+softmax together and only then the p V products, so the tensor cores idle through both softmaxes (session 17's
+profile reading; docs/design.md).  Here, as in FlashMLA's sm90 sparse prefill schedule (learned from, not copied):
+
+* consumer 0 (output columns 0 .. d_v/2) scores block 2 it (kv buffer 0), runs its softmax on ITS running max
+  (the previous pair's max and this tile's), publishes that max and at once multiplies its own p -- from registers,
+  a register-A wgmma -- with the first latent half of buffer 0, freeing that half for the producer;
+* consumer 1 (columns d_v/2 ..) scores block 2 it + 1 (buffer 1), folds consumer 0's max into its own to get the
+  pair's max, publishes it, multiplies its p (registers) with the second latent half of buffer 1, stores that p for
+  consumer 0, then multiplies consumer 0's p with the second half of buffer 0 and frees both second halves;
+* consumer 0, once the pair's max is known, rescales its p and its accumulator by exp2(own max - pair's max),
+  stores that p for consumer 1 (in buffer 0's rope part, free once its scores are done), multiplies consumer 1's p
+  with buffer 1's first half and, before waiting for that product, issues the next block's q k^T (async wgmma);
+* the producer fills the four half-buffers in the order they are freed: buffer 0's first half, buffer 1's second,
+  buffer 0's second, buffer 1's first (each half has its own "free" and "ready" mbarrier).
+
+So one consumer's softmax runs while the other's products use the tensor cores.  Consumer 0's own p is rounded to
+bf16 before the rescale and consumer 1's copy after it, so the output is NOT bitwise the lockstep kernel's (same
+maths, rel. L2 far below the tests' 1e-2).  Same contract, shapes and unused-slot handling as ``WS_CONFIG``
+(``skip_unused``; the running max starts at ``M_FLOOR``); consumer 1's p has its own 8 KB tile (consumer 0 reads it
+after buffer 1's second half is refilled): 230,400 bytes of shared memory with q, under the H100's 232,448.
+"""
+
+# no ``from __future__ import annotations``: TileLang evaluates the kernel's annotations (closure sizes) eagerly
+
+from .tilelang_sparse_mla import HEAD_BLOCK, LN2, LOG2E, M_FLOOR, check_tiles
+from .tilelang_sparse_mla_ws import BLOCK_N, LAUNCH_REGS, PRODUCER_THREADS, STEP, block_gatherer, kernel_prelude
+
+__all__ = ["WS_STAGGERED_CONFIG", "build_sparse_fwd_staggered"]
+
+
+def build_sparse_fwd_staggered(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float,
+                               consumer_regs: int = 232, producer_regs: int = 40, skip_unused: bool = True,
+                               kv_hint=None, q_evict_first: bool = False, dtype: str = "bfloat16"):
+    """The TileLang prim_func of the staggered forward (module docstring): kernel(Q, KV, Idx, Out, Lse) with
+    ``tilelang_sparse_mla.build_sparse_fwd``'s contract.  heads % 64 == 0, topk % 128 == 0, d_rope == 64,
+    d_v % 128 == 0; consumer_regs / producer_regs, skip_unused, kv_hint, q_evict_first as in
+    ``tilelang_sparse_mla_ws.build_sparse_fwd_ws``."""
+    import tilelang.language as T
+
+    check_tiles(heads, topk, STEP)
+    if 2 * consumer_regs + producer_regs > 3 * LAUNCH_REGS or consumer_regs % 8 or producer_regs % 8:
+        raise ValueError(f"consumer_regs ({consumer_regs}) x 2 + producer_regs ({producer_regs}) must be at most "
+                         f"{3 * LAUNCH_REGS} (3 warpgroups x {LAUNCH_REGS} registers at launch), multiples of 8")
+    if d_rope != BLOCK_N or d_v % 128:
+        raise ValueError(f"the staggered forward needs d_rope == {BLOCK_N} and d_v % 128 == 0, got {d_rope} / {d_v}")
+    d_qk = d_v + d_rope
+    half = d_v // 2
+    hb_n = heads // HEAD_BLOCK
+    n_it = topk // STEP
+    acc_t, idx_t = "float32", "int32"
+    c_log2 = float(softmax_scale) * LOG2E
+    n_q = T.dynamic("n_q")
+    n_kv = T.dynamic("n_kv")
+    wg = 128  # threads per warpgroup
+    gather_lo = block_gatherer(BLOCK_N, d_v, skip_unused, kv_hint, "lo")
+    gather_hi = block_gatherer(BLOCK_N, d_v, skip_unused, kv_hint, "hi")
+
+    @T.macro
+    def masked_scores(Idx, tok, slot0, s, m_new):
+        """s = scaled scores in log2 units (unused slots -inf), m_new = their row max."""
+        for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+            sel = Idx[tok, slot0 + j]
+            s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity(acc_t))
+        T.reduce_max(s, m_new, dim=1, clear=True)
+
+    @T.macro
+    def softmax_step(s, acc, m_run, m_new, alpha, l_run, l_blk):
+        """The online softmax at the new running max m_new: acc and l rescaled, s -> p (fp32), l += its row sums."""
+        for i in T.Parallel(HEAD_BLOCK):
+            alpha[i] = T.exp2(m_run[i] - m_new[i])
+            m_run[i] = m_new[i]
+        for i, j in T.Parallel(HEAD_BLOCK, half):
+            acc[i, j] = acc[i, j] * alpha[i]
+        for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+            s[i, j] = T.exp2(s[i, j] - m_run[i])
+        T.reduce_sum(s, l_blk, dim=1)
+        for i in T.Parallel(HEAD_BLOCK):
+            l_run[i] = l_run[i] * alpha[i] + l_blk[i]
+
+    def epilogue(c: int):
+        """T.macro: both consumers' row sums added, consumer c's output columns written (and lse by consumer 0)."""
+        cols = slice(c * half, (c + 1) * half)
+
+        @T.macro
+        def run(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l):
+            T.copy(l_run, l_sh[c])
+            T.barrier_arrive(bar_l)
+            T.barrier_wait(bar_l, 0)
+            for i in T.Parallel(HEAD_BLOCK):
+                l_run[i] = l_run[i] + l_sh[1 - c][i]
+            for i, j in T.Parallel(HEAD_BLOCK, half):
+                acc[i, j] = T.if_then_else(l_run[i] > 0, acc[i, j] / l_run[i], 0)
+            T.copy(acc, Out[tok, h0:h0 + HEAD_BLOCK, cols])
+            if c == 0:
+                for i in T.Parallel(HEAD_BLOCK):
+                    lse_f[i] = T.if_then_else(l_run[i] > 0, (T.log2(l_run[i]) + m_run[i]) * LN2, -T.infinity(acc_t))
+                T.copy(lse_f, Lse[tok, h0:h0 + HEAD_BLOCK])
+
+        return run
+
+    epilogue0, epilogue1 = epilogue(0), epilogue(1)
+
+    @T.macro
+    def consumer0(tok, h0, Idx, Out, Lse, q_lat, q_rope, k0_lat, k0_rope, k1_lat, p1_sh, m0_sh, m1_sh, l_sh, s, p,
+                  acc, m_run, m_new, alpha, l_run, l_blk, lse_f, bar_q, bar_lo, bar_ready, bar_free_lo, bar_m0,
+                  bar_m1, bar_p0, bar_p1, bar_l):
+        T.set_max_nreg(consumer_regs, 1)
+        T.fill(acc, 0)
+        T.fill(l_run, 0)
+        T.fill(m_run, M_FLOOR)
+        T.barrier_wait(bar_q, 0)
+        T.barrier_wait(bar_lo[0], 0)  # the first block's scores (later ones are issued at the end of each step)
+        T.wgmma_gemm(q_lat[:, 0:half], k0_lat[:, 0:half], s, transpose_B=True, clear_accum=True)
+        T.barrier_wait(bar_ready[0], 0)
+        T.wgmma_gemm(q_lat[:, half:d_v], k0_lat[:, half:d_v], s, transpose_B=True)
+        T.wgmma_gemm(q_rope, k0_rope, s, transpose_B=True)
+        T.wait_wgmma(0)
+        for it in T.serial(n_it):
+            ph = it & 1
+            masked_scores(Idx, tok, 2 * it * BLOCK_N, s, m_new)
+            for i in T.Parallel(HEAD_BLOCK):  # own running max: the previous pair's and this tile's
+                m_new[i] = T.max(m_run[i], m_new[i])
+                m0_sh[i] = m_new[i]
+            T.barrier_arrive(bar_m0)
+            softmax_step(s, acc, m_run, m_new, alpha, l_run, l_blk)
+            T.copy(s, p)  # own p in registers: the A operand of its product
+            T.wgmma_gemm(p, k0_lat[:, 0:half], acc)
+            T.wait_wgmma(0)
+            T.barrier_arrive(bar_free_lo[0])
+            T.barrier_wait(bar_m1, ph)  # the pair's max: rescale own p (for consumer 1), acc and l to it
+            for i in T.Parallel(HEAD_BLOCK):
+                alpha[i] = T.exp2(m_run[i] - m1_sh[i])
+                m_run[i] = m1_sh[i]
+                l_run[i] = l_run[i] * alpha[i]
+            for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
+                s[i, j] = s[i, j] * alpha[i]
+            T.copy(s, k0_rope)  # block 2 it's p for consumer 1, in buffer 0's rope part (its scores are done)
+            T.fence_proxy_async()  # the stores visible to consumer 1's wgmma
+            T.barrier_arrive(bar_p0)
+            for i, j in T.Parallel(HEAD_BLOCK, half):
+                acc[i, j] = acc[i, j] * alpha[i]
+            T.barrier_wait(bar_p1, ph)
+            T.wgmma_gemm(p1_sh, k1_lat[:, 0:half], acc)
+            if it + 1 < n_it:  # the next block's scores issued while that product runs
+                T.barrier_wait(bar_lo[0], ph ^ 1)
+                T.wgmma_gemm(q_lat[:, 0:half], k0_lat[:, 0:half], s, transpose_B=True, clear_accum=True)
+                T.wait_wgmma(1)
+                T.barrier_arrive(bar_free_lo[1])
+                T.barrier_wait(bar_ready[0], ph ^ 1)
+                T.wgmma_gemm(q_lat[:, half:d_v], k0_lat[:, half:d_v], s, transpose_B=True)
+                T.wgmma_gemm(q_rope, k0_rope, s, transpose_B=True)
+                T.wait_wgmma(0)
+            else:
+                T.wait_wgmma(0)
+                T.barrier_arrive(bar_free_lo[1])
+        epilogue0(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l)
+
+    @T.macro
+    def consumer1(tok, h0, Idx, Out, Lse, q_lat, q_rope, k0_lat, k0_rope, k1_lat, k1_rope, p1_sh, m0_sh, m1_sh, l_sh,
+                  s, p, acc, m_run, m_new, alpha, l_run, l_blk, lse_f, bar_q, bar_lo, bar_ready, bar_free_hi, bar_m0,
+                  bar_m1, bar_p0, bar_p1, bar_l):
+        T.set_max_nreg(consumer_regs, 1)
+        T.fill(acc, 0)
+        T.fill(l_run, 0)
+        T.fill(m_run, M_FLOOR)
+        T.barrier_wait(bar_q, 0)
+        for it in T.serial(n_it):
+            ph = it & 1
+            T.barrier_wait(bar_ready[1], ph)  # buffer 1's second half is gathered first
+            T.wgmma_gemm(q_lat[:, half:d_v], k1_lat[:, half:d_v], s, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(q_rope, k1_rope, s, transpose_B=True)
+            T.barrier_wait(bar_lo[1], ph)
+            T.wgmma_gemm(q_lat[:, 0:half], k1_lat[:, 0:half], s, transpose_B=True)
+            T.wait_wgmma(0)
+            masked_scores(Idx, tok, (2 * it + 1) * BLOCK_N, s, m_new)
+            T.barrier_wait(bar_m0, ph)  # fold in consumer 0's max: the pair's max
+            for i in T.Parallel(HEAD_BLOCK):
+                m_new[i] = T.max(m_new[i], m0_sh[i])
+                m1_sh[i] = m_new[i]
+            T.barrier_arrive(bar_m1)
+            softmax_step(s, acc, m_run, m_new, alpha, l_run, l_blk)
+            T.copy(s, p)
+            T.wgmma_gemm(p, k1_lat[:, half:d_v], acc)
+            T.copy(s, p1_sh)  # for consumer 0, while the product runs
+            T.fence_proxy_async()
+            T.barrier_arrive(bar_p1)
+            T.barrier_wait(bar_p0, ph)
+            T.wgmma_gemm(k0_rope, k0_lat[:, half:d_v], acc)  # consumer 0's p (in buffer 0's rope part)
+            T.wait_wgmma(1)
+            T.barrier_arrive(bar_free_hi[1])
+            T.wait_wgmma(0)
+            T.barrier_arrive(bar_free_hi[0])
+        epilogue1(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l)
+
+    q_policy = "evict_first" if q_evict_first else None
+
+    @T.prim_func
+    def sparse_mla_fwd_staggered_kernel(
+        Q: T.Tensor((n_q, heads, d_qk), dtype),
+        KV: T.Tensor((n_kv, d_qk), dtype),
+        Idx: T.Tensor((n_q, topk), idx_t),
+        Out: T.Tensor((n_q, heads, d_v), dtype),
+        Lse: T.Tensor((n_q, heads), acc_t),
+    ):
+        with T.Kernel(n_q, hb_n, threads=3 * wg, prelude=kernel_prelude(kv_hint)) as (tok, hb):
+            q_lat = T.alloc_shared((HEAD_BLOCK, d_v), dtype)
+            q_rope = T.alloc_shared((HEAD_BLOCK, d_rope), dtype)
+            k0_lat = T.alloc_shared((BLOCK_N, d_v), dtype)  # block 2 it; its rope part later holds that block's p
+            k0_rope = T.alloc_shared((BLOCK_N, d_rope), dtype)
+            k1_lat = T.alloc_shared((BLOCK_N, d_v), dtype)  # block 2 it + 1
+            k1_rope = T.alloc_shared((BLOCK_N, d_rope), dtype)
+            p1_sh = T.alloc_shared((HEAD_BLOCK, BLOCK_N), dtype)  # block 2 it + 1's p (consumer 1 -> consumer 0)
+            m0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # consumer 0's running max after its tile
+            m1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # the block pair's max
+            l0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
+            l1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
+            # register tiles: one set PER CONSUMER (tilelang_sparse_mla_ws's docstring says why)
+            s0 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            p0 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), dtype)
+            acc0 = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
+            m_run0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            m_new0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            alpha0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            l_run0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            l_blk0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            lse_f = T.alloc_fragment((HEAD_BLOCK,), acc_t)  # consumer 0 writes lse
+            s1 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            p1 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), dtype)
+            acc1 = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
+            m_run1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            m_new1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            alpha1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            l_run1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            l_blk1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            row = T.alloc_local((1,), idx_t)  # the producer's gathered kv row (block_gatherer)
+
+            bar_q = T.alloc_barrier(arrive_count=3 * wg)
+            bar_lo = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * 2)  # buffer b's first latent half gathered
+            bar_ready = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * 2)  # the rest of buffer b (with rope)
+            bar_free_lo = T.alloc_barrier(arrive_count=[wg] * 2)  # buffer b's first half read (consumer 0)
+            bar_free_hi = T.alloc_barrier(arrive_count=[wg] * 2)  # buffer b's second half read (consumer 1)
+            bar_m0 = T.alloc_barrier(arrive_count=wg)  # m0_sh written
+            bar_m1 = T.alloc_barrier(arrive_count=wg)  # m1_sh written
+            bar_p0 = T.alloc_barrier(arrive_count=wg)  # block 2 it's p stored (k0_rope)
+            bar_p1 = T.alloc_barrier(arrive_count=wg)  # block 2 it + 1's p stored (p1_sh)
+            bar_l = T.alloc_barrier(arrive_count=2 * wg)  # both row sums written
+
+            h0 = hb * HEAD_BLOCK
+            tx = T.get_thread_binding()
+            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q, eviction_policy=q_policy)
+            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q, eviction_policy=q_policy)
+            T.barrier_arrive(bar_q)
+
+            l_sh = (l0_sh, l1_sh)
+            # one if / elif / else chain (separate ifs get a block-wide __syncthreads between the roles)
+            if tx < wg:
+                consumer0(tok, h0, Idx, Out, Lse, q_lat, q_rope, k0_lat, k0_rope, k1_lat, p1_sh, m0_sh, m1_sh, l_sh,
+                          s0, p0, acc0, m_run0, m_new0, alpha0, l_run0, l_blk0, lse_f, bar_q, bar_lo, bar_ready,
+                          bar_free_lo, bar_m0, bar_m1, bar_p0, bar_p1, bar_l)
+            elif tx < 2 * wg:
+                consumer1(tok, h0, Idx, Out, Lse, q_lat, q_rope, k0_lat, k0_rope, k1_lat, k1_rope, p1_sh, m0_sh,
+                          m1_sh, l_sh, s1, p1, acc1, m_run1, m_new1, alpha1, l_run1, l_blk1, lse_f, bar_q, bar_lo,
+                          bar_ready, bar_free_hi, bar_m0, bar_m1, bar_p0, bar_p1, bar_l)
+            else:  # producer: the four half-buffers in the order the consumers free them
+                T.set_max_nreg(producer_regs, 0)
+                pt = tx - 2 * wg
+                r0 = pt // 8
+                col = (pt % 8) * 8
+                for it in T.serial(n_it):
+                    free_ph = (it & 1) ^ 1
+                    slot0 = 2 * it * BLOCK_N
+                    T.barrier_wait(bar_free_lo[0], free_ph)
+                    gather_lo(KV, Idx, tok, slot0, it, n_kv, k0_lat, k0_rope, r0, col, row)
+                    T.cp_async_barrier_noinc(bar_lo[0])
+                    T.barrier_wait(bar_free_hi[1], free_ph)
+                    gather_hi(KV, Idx, tok, slot0 + BLOCK_N, it, n_kv, k1_lat, k1_rope, r0, col, row)
+                    T.cp_async_barrier_noinc(bar_ready[1])
+                    T.barrier_wait(bar_free_hi[0], free_ph)
+                    gather_hi(KV, Idx, tok, slot0, it, n_kv, k0_lat, k0_rope, r0, col, row)
+                    T.cp_async_barrier_noinc(bar_ready[0])
+                    T.barrier_wait(bar_free_lo[1], free_ph)
+                    gather_lo(KV, Idx, tok, slot0 + BLOCK_N, it, n_kv, k1_lat, k1_rope, r0, col, row)
+                    T.cp_async_barrier_noinc(bar_lo[1])
+
+    return sparse_mla_fwd_staggered_kernel
+
+
+#: the staggered kernel through ``tilelang_sparse_mla.tilelang_sparse_fwd`` (top-k padded to two blocks)
+WS_STAGGERED_CONFIG = dict(builder=build_sparse_fwd_staggered, topk_multiple=STEP, consumer_regs=232,
+                           producer_regs=40, fast_math=True)
