@@ -231,8 +231,6 @@ def _dense_bwd_rows(p, out, lse, reps, add, match=None):
                  for z in ("memset", "restore")]
     # the scores kernel gathering each kv block whole (split_ready False; the default: two halves); its L2 hints
     variants += [(det, ", head sums, whole blocks", hs, dict(split_ready=False)) for det in (False, True)]
-    # the first latent half freed right after the products, p^T / ds^T staged in the second (release_lo_early)
-    variants += [(det, ", head sums, first half freed early", hs, dict(release_lo_early=True)) for det in (False, True)]
     variants += [(False, ", head sums, L2 hints", hs, dict(kv_hint="evict_last", q_evict_first=True,
                                                            split_ready=False))]
     # dkv's fp32 sums as before mm_fp32_add_: each product into an fp32 matrix of its own, then added

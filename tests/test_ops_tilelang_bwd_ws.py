@@ -262,22 +262,21 @@ def test_gpu_dense_backward_real_shapes(layout, monkeypatch):
 @gpu
 @needs_gpu_tilelang
 def test_gpu_gather_variants_are_bitwise_the_default_backward():
-    """The scores kernel gathering each kv block whole (split_ready False) or in two halves (the default), with the
-    first half freed right after the products (release_lo_early: p^T / ds^T staged in the second half), or with the
-    L2 hints: dq, dkv and the head sums equal the default's bit for bit (the same products in the same order)."""
+    """The scores kernel gathering each kv block whole (split_ready False) or in two halves (the default), or with
+    the L2 hints: dq, dkv and the head sums equal the default's bit for bit (the same products in the same order)."""
     from test_ops_triton import gpu_sparse_problem
 
     pr = gpu_sparse_problem("causal", seed=24)
     _remember_bounds(pr.idx)
     out, lse = tlm.tilelang_sparse_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV)
     runs = {}
-    for name, cfg in (("default", None), ("whole", dict(split_ready=False)), ("early", dict(release_lo_early=True)),
+    for name, cfg in (("default", None), ("whole", dict(split_ready=False)),
                       ("hints", dict(kv_hint="evict_last", q_evict_first=True, split_ready=False))):
         hs = torch.full(pr.idx.shape, float("nan"), device="cuda")
         dq, dkv = tlbws.tilelang_sparse_bwd_dense(pr.q, pr.kv, pr.idx, out, lse, pr.d_out, None, pr.scale, DV,
                                                   deterministic=True, head_sums=hs, config=cfg)
         runs[name] = (dq, dkv, hs)
-    for name in ("whole", "early", "hints"):
+    for name in ("whole", "hints"):
         assert all(torch.equal(a, b) for a, b in zip(runs[name], runs["default"])), name
 
 

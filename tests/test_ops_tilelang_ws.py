@@ -146,29 +146,3 @@ def test_split_ready_gathers_each_block_in_two_halves(tmp_path, kernel):
     report = nvcc_cubin(tmp_path, src)
     if report is not None:
         assert " 0 bytes spill stores" in report, report
-
-
-def test_release_lo_early_frees_the_first_half_after_the_products(tmp_path):
-    """release_lo_early in the backward's lowered scores kernel: each consumer arrives on its buffer's free_lo barrier
-    right after the dp product's wgmma wait (before the softmax), stages p^T / ds^T 32,768 bytes into the buffer
-    (the second latent half) and multiplies the head sums from there; the producer waits free_lo before the first
-    half and free before the second.  It needs the halves and the staging."""
-    from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
-    from test_ops_tilelang import nvcc_cubin
-
-    src = tlm.lower_to_cuda(tlbws.build_sparse_pds_ws(64, 512, 64, 2048, 576 ** -0.5, 64, 2048, split_ready=True,
-                                                      release_lo_early=True))
-    *consumers, producer = role_sources(src)
-    for c, part in enumerate(consumers):
-        dp_wait = part.index("wgmma_rs<")  # dp = dO k^T, dO from registers
-        early = part.index(f"bar_free_lo[{c}].arrive")
-        assert part.index("warpgroup_wait<0>", dp_wait) < early < part.index("exp2", early)
-        assert early < part.index(f"bar_free[{c}].arrive")
-        assert "+ 16384)] = ((bfloat16_t)s" in part and "+ 20480)] = ((bfloat16_t)dp" in part  # staged in half 2
-    waits = re.findall(r"(bar_free(?:_lo)?)\[(\d)\]\.wait", producer)
-    assert waits == [("bar_free_lo", "0"), ("bar_free", "0"), ("bar_free_lo", "1"), ("bar_free", "1")]
-    report = nvcc_cubin(tmp_path, src)
-    if report is not None:
-        assert " 0 bytes spill stores" in report, report
-    with pytest.raises(ValueError, match="release_lo_early needs"):
-        tlbws.build_sparse_pds_ws(64, 512, 64, 2048, 0.1, 64, 2048, split_ready=False, release_lo_early=True)

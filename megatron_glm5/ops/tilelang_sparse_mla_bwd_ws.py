@@ -65,7 +65,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         topk_real: int, head_sums: bool = True, consumer_regs: int = 240, producer_regs: int = 24,
                         skip_unused: bool = True, write_pds: bool = True, staged: bool = True,
                         bounded: bool = True, kv_hint=None, q_evict_first: bool = False, split_ready: bool = False,
-                        release_lo_early: bool = False, dtype: str = "bfloat16"):
+                        dtype: str = "bfloat16"):
     """The TileLang prim_func of the scores step (module docstring) for these static sizes: heads (a multiple of
     64) of which heads_real are real (the column of head h of query t is t * heads_real + h), topk slots (a multiple
     of 128) of which topk_real are the caller's (the head sums' row length).
@@ -80,10 +80,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     (False: stored from the register tiles).  bounded: each query stops after its last used slot (Ends; False:
     every step, Ends unread).  kv_hint / q_evict_first / split_ready: the L2 hints of the kv gathers and q's TMA
     loads, and the block gathered in two halves (q k^T starts on the first), as in the forward
-    (``tilelang_sparse_mla_ws.build_sparse_fwd_ws``).  release_lo_early (staged, split_ready): p^T / ds^T are staged
-    in the second latent half of the buffer (columns d_v / 2 ..) and the consumer frees the first half as soon as its
-    products are done, so the producer gathers the next block's first half during this block's softmax, staging and
-    stores (``tilelang_sparse_mla_ws.buffer_filler``)."""
+    (``tilelang_sparse_mla_ws.build_sparse_fwd_ws``)."""
     import tilelang.language as T
 
     check_tiles(heads, topk, PAIR)
@@ -92,8 +89,6 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                          f"{3 * LAUNCH_REGS} (3 warpgroups x {LAUNCH_REGS} registers at launch), multiples of 8")
     if d_rope != 64 or d_v % 128:
         raise ValueError(f"the scores kernel needs d_rope == 64 and d_v % 128 == 0, got {d_rope} / {d_v}")
-    if release_lo_early and not (staged and split_ready):
-        raise ValueError("release_lo_early needs staged=True and split_ready=True")
     if heads // HEAD_BLOCK > 1 and head_sums:
         raise ValueError("head sums need all heads in one block (heads <= 64)")
     d_qk = d_v + d_rope
@@ -107,7 +102,6 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     n_kc = T.dynamic("n_kc")
     wg = 128
     hs_shape = (n_q, topk_real) if head_sums else (1, 1)  # without head sums: a 1 x 1 placeholder
-    st0 = d_v // 2 if release_lo_early else 0  # the first staged column of p^T (ds^T follows at st0 + HEAD_BLOCK)
 
     qk = scores_product(d_v, split_ready)
 
@@ -117,7 +111,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
         @T.macro
         def run(tok, h0, dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do_f, s, dp, lse2, dlt,
-                hsum, n_it, bar_q, bar_ready, bar_free, bar_lo, bar_free_lo):
+                hsum, n_it, bar_q, bar_ready, bar_free, bar_lo):
             T.set_max_nreg(consumer_regs, 1)
             T.copy(dO[tok, h0:h0 + HEAD_BLOCK, :], do_f)
             for i in T.Parallel(HEAD_BLOCK):
@@ -130,31 +124,28 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 T.gemm(do_f, k_lat[c], dp, transpose_B=True, clear_accum=True)
                 if not head_sums and not staged:
                     T.barrier_arrive(bar_free[c])
-                if release_lo_early:  # the products are done: the first latent half is free for the next block
-                    T.barrier_arrive(bar_free_lo[c])
                 for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
                     sel = Idx[tok, (2 * it + c) * BLOCK_N + j]
                     s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), T.exp2(s[i, j] * c_log2 - lse2[i]), 0)
                     dp[i, j] = s[i, j] * (dp[i, j] - dlt[i]) * scale
                 if staged:
-                    # p^T and ds^T (bf16, [slots, heads]) into the spent latent part of the buffer: columns st0 ..
-                    # st0 + 63 and st0 + 64 .. st0 + 127 (st0: 0, or d_v / 2 with release_lo_early); then the head
-                    # sums (p^T ones) and the rows of P / DS from there, each slot's 64 heads one contiguous 128-byte
-                    # row; then the buffer is free
+                    # p^T and ds^T (bf16, [slots, heads]) into the spent latent part of the buffer: columns 0..63
+                    # and 64..127; then the head sums (p^T ones) and the rows of P / DS from there, each slot's 64
+                    # heads one contiguous 128-byte row; then the buffer is free
                     for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
-                        k_lat[c][j, st0 + i] = T.cast(s[i, j], dtype)
-                        k_lat[c][j, st0 + HEAD_BLOCK + i] = T.cast(dp[i, j], dtype)
+                        k_lat[c][j, i] = T.cast(s[i, j], dtype)
+                        k_lat[c][j, HEAD_BLOCK + i] = T.cast(dp[i, j], dtype)
                     if head_sums:
                         T.fence_proxy_async()
-                        T.gemm(k_lat[c][:, st0:st0 + HEAD_BLOCK], ones, hsum, clear_accum=True)
+                        T.gemm(k_lat[c][:, 0:HEAD_BLOCK], ones, hsum, clear_accum=True)
                         for j, u in T.Parallel(BLOCK_N, ONES_N):
                             if u == 0 and (2 * it + c) * BLOCK_N + j < topk_real:
                                 HS[tok, (2 * it + c) * BLOCK_N + j] = hsum[j, u]
                     for j, i in T.Parallel(BLOCK_N, HEAD_BLOCK):
                         sel = Idx[tok, (2 * it + c) * BLOCK_N + j]
                         if write_pds and (sel >= 0) and (sel < n_kv) and (h0 + i < heads_real):
-                            P[sel, tok, h0 + i] = k_lat[c][j, st0 + i]
-                            DS[sel, tok, h0 + i] = k_lat[c][j, st0 + HEAD_BLOCK + i]
+                            P[sel, tok, h0 + i] = k_lat[c][j, i]
+                            DS[sel, tok, h0 + i] = k_lat[c][j, HEAD_BLOCK + i]
                     T.barrier_arrive(bar_free[c])
                 elif head_sums:
                     # the column sums of p over the heads as a product, p^T ones (bf16 p in the spent rope part of
@@ -182,7 +173,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         return run
 
     consumer0, consumer1 = consumer(0), consumer(1)
-    fill = buffer_filler(BLOCK_N, d_v, skip_unused, kv_hint, split_ready, release_lo_early)
+    fill = buffer_filler(BLOCK_N, d_v, skip_unused, kv_hint, split_ready)
     q_policy = "evict_first" if q_evict_first else None
 
     @T.prim_func
@@ -226,8 +217,6 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             # split_ready: the first latent half of kv buffer b gathered (None without it: a macro argument bound to
             # bar_ready would rename that barrier in the source)
             bar_lo = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * 2) if split_ready else None
-            # release_lo_early: the first latent half of kv buffer b read by its consumer's products
-            bar_free_lo = T.alloc_barrier(arrive_count=[wg] * 2) if release_lo_early else None
 
             h0 = hb * HEAD_BLOCK
             tx = T.get_thread_binding()
@@ -242,7 +231,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             T.barrier_arrive(bar_q)
 
             k_lat, k_rope = (k0_lat, k1_lat), (k0_rope, k1_rope)
-            bars = (bar_q, bar_ready, bar_free, bar_lo, bar_free_lo)
+            bars = (bar_q, bar_ready, bar_free, bar_lo)
             # one if / elif / else chain: separate ifs make TileLang put a block-wide __syncthreads between the roles
             if tx < wg:
                 consumer0(tok, h0, dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do0, s0, dp0,
@@ -258,7 +247,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 for it in T.serial(n_it):
                     for b in (0, 1):  # Python-unrolled: buffer indices stay Python ints
                         fill(KV, Idx, tok, (2 * it + b) * BLOCK_N, it, n_kv, k_lat[b], k_rope[b], r0, col, row,
-                             bar_free, (it & 1) ^ 1, bar_lo, bar_ready, b, bar_free_lo)
+                             bar_free, (it & 1) ^ 1, bar_lo, bar_ready, b)
 
     return sparse_mla_pds_ws_kernel
 

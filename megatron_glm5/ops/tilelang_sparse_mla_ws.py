@@ -156,32 +156,25 @@ def block_gatherer(block_n: int, d_v: int, skip_unused: bool, kv_hint=None, part
     return gather_block
 
 
-def buffer_filler(block_n: int, d_v: int, skip_unused: bool, kv_hint=None, split_ready: bool = False,
-                  release_lo_early: bool = False):
+def buffer_filler(block_n: int, d_v: int, skip_unused: bool, kv_hint=None, split_ready: bool = False):
     """T.macro: the producer's fill of kv buffer b with one block (``block_gatherer``) once its consumers freed it
     (bar_free[b] at parity free_phase): the whole block completing bar_ready[b], or with split_ready the first
     latent half completing bar_lo[b] and then the rest bar_ready[b] (cp.async.mbarrier.arrive.noinc fires once this
-    thread's copies issued before it are done).  release_lo_early (with split_ready): the first half waits for
-    bar_free_lo[b] only (its consumer frees it as soon as its products are done), the second for bar_free[b].
-    bar_lo / bar_free_lo: None where unused."""
+    thread's copies issued before it are done).  bar_lo: None without split_ready."""
     import tilelang.language as T
 
     check_kv_hint(kv_hint, split_ready)
-    if release_lo_early and not split_ready:
-        raise ValueError("release_lo_early needs split_ready (the halves have separate barriers only then)")
     whole = block_gatherer(block_n, d_v, skip_unused, kv_hint)
     lo = block_gatherer(block_n, d_v, skip_unused, kv_hint, "lo")
     hi = block_gatherer(block_n, d_v, skip_unused, kv_hint, "hi")
 
     @T.macro
     def fill(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row, bar_free, free_phase, bar_lo, bar_ready,
-             b, bar_free_lo):
-        T.barrier_wait(bar_free_lo[b] if release_lo_early else bar_free[b], free_phase)
+             b):
+        T.barrier_wait(bar_free[b], free_phase)
         if split_ready:
             lo(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row)
             T.cp_async_barrier_noinc(bar_lo[b])
-            if release_lo_early:
-                T.barrier_wait(bar_free[b], free_phase)
             hi(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row)
         else:
             whole(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row)
@@ -441,7 +434,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         for b in (0, 1):
                             buf = 2 * st + b
                             fill(KV, Idx, tok, (2 * (it0 * sets + st) + b) * block_n, it0, n_kv, k_lat[buf],
-                                 k_rope[buf], r0, col, row, bar_free, (it0 & 1) ^ 1, bar_lo, bar_ready, buf, None)
+                                 k_rope[buf], r0, col, row, bar_free, (it0 & 1) ^ 1, bar_lo, bar_ready, buf)
 
     return sparse_mla_fwd_ws_kernel
 
