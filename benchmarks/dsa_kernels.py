@@ -374,16 +374,23 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
         for name, ms in interleaved_ms(runs, p.refill, n_reps, n_rounds).items():
             add(name, median(ms), flop, ms if n_rounds > 1 else None)
 
-    def ws_forward_rows():
+    def ws_forward_rows(unused_too=False):
         """Our warp-specialised forward's configurations (fwd_round_configs) in interleaved rounds (rows of one
-        configuration drift by up to 4.5 % over a run: session 17)."""
+        configuration drift by up to 4.5 % over a run: session 17); unused_too: each also with every slot unused
+        (-1: nothing gathered after the first block pair, every product and the softmax still run -- what the
+        gathers cost; the TFLOP/s column counts the same work)."""
+        configs = fwd_round_configs()
         tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
-            tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV), fwd_round_configs(), reps,
+            tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV), configs, reps,
             p.fwd_flop, rounds)
+        if unused_too:
+            tilelang_rows("sparse_mla fwd (our TileLang{}, every slot unused)", functools.partial(
+                tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, torch.full_like(p.indices, -1), p.scale, DV),
+                configs, reps, p.fwd_flop, rounds)
 
     if fwd_only:  # our TileLang forward's configurations alone (FlashMLA's in the same run when it is built here)
         if has_tilelang:
-            ws_forward_rows()
+            ws_forward_rows(unused_too=True)
         _flashmla_row(p, reps, add)
         torch.cuda.empty_cache()
         return rows
@@ -541,8 +548,9 @@ def main(argv=None):
                     help="only the sparse MLA forward and backward rows, Triton's and (with tilelang) our TileLang "
                          "dense backward's (and only the backward's sweep)")
     ap.add_argument("--fwd-only", action="store_true",
-                    help="only our TileLang forward's configurations, in interleaved rounds (--rounds), and "
-                         "FlashMLA's forward when it is built here")
+                    help="only our TileLang forward's configurations, in interleaved rounds (--rounds), each also "
+                         "with every slot unused (nothing gathered after the first block pair: what the gathers "
+                         "cost), and FlashMLA's forward when it is built here")
     ap.add_argument("--profile-bwd", action="store_true",
                     help="also print where our TileLang backward's GPU time goes, kernel by kernel (torch profiler)")
     ap.add_argument("--bwd-variants", default=None,

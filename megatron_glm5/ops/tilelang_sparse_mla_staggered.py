@@ -23,6 +23,13 @@ bf16 before the rescale and consumer 1's copy after it, so the output is NOT bit
 maths, rel. L2 far below the tests' 1e-2).  Same contract, shapes and unused-slot handling as ``WS_CONFIG``
 (``skip_unused``; the running max starts at ``M_FLOOR``); consumer 1's p has its own 8 KB tile (consumer 0 reads it
 after buffer 1's second half is refilled): 230,400 bytes of shared memory with q, under the H100's 232,448.
+
+Status (2026-12-07, session 18, one H200; docs/performance.md): correct -- its GPU tests pass (GLM-5 shapes causal
+and packed against the fp32 reference and within 5e-3 of the lockstep kernel, padded heads, rows without keys) --
+but SLOWER than the lockstep kernel in the same run: 437.7 vs 514.9 TFLOP/s at S 32768, 435.3 vs 522.1 at 4096
+(interleaved rounds), so opt-in, for the benchmark's comparison.  ptxas spills 432 bytes in consumer 1 (the
+wgmma descriptors of its q k^T, hoisted out of the loop and kept on the stack); why the schedule that gives FlashMLA
+its speed does not pay here is not settled (docs/design.md gives the arithmetic that points at the gathers).
 """
 
 # no ``from __future__ import annotations``: TileLang evaluates the kernel's annotations (closure sizes) eagerly
