@@ -559,8 +559,8 @@ def main(argv=None):
                     help="time only the variants of our TileLang dense backward whose row text this regular "
                          "expression finds (the four default rows always; default: every variant)")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="with --bwd-only / --fwd-only: time our TileLang forward's configurations in this many interleaved rounds "
-                         "and report each one's median round (default 3)")
+                    help="with --bwd-only / --fwd-only: time our TileLang forward's configurations in this many "
+                         "interleaved rounds and report each one's median round (default 3)")
     ap.add_argument("--bwd-baseline", default=None, metavar="FILE",
                     help="also time the default backward of this copy of ops/triton_sparse_mla.py in the same run "
                          "(e.g. git show REV:megatron_glm5/ops/triton_sparse_mla.py > FILE)")

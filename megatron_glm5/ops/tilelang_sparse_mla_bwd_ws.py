@@ -48,7 +48,8 @@ from . import triton_sparse_mla as tsm
 from .base import pad_topk, warn_once
 from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, bounded_steps, check_tiles, compiled_kernel,
                                   pop_pass_configs, tilelang_unsupported_reason)
-from .tilelang_sparse_mla_ws import LAUNCH_REGS, PRODUCER_THREADS, buffer_filler, kernel_prelude, scores_product
+from .tilelang_sparse_mla_ws import (LAUNCH_REGS, PRODUCER_THREADS, buffer_filler, kernel_prelude, query_tma_loader,
+                                     scores_product)
 
 __all__ = ["PDS_WS_CONFIG", "build_sparse_pds_ws", "pds_ws_unsupported_reason", "tilelang_sparse_bwd_dense"]
 
@@ -174,7 +175,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
     consumer0, consumer1 = consumer(0), consumer(1)
     fill = buffer_filler(BLOCK_N, d_v, skip_unused, kv_hint, split_ready)
-    q_policy = "evict_first" if q_evict_first else None
+    load_q = query_tma_loader(d_v, q_evict_first)
 
     @T.prim_func
     def sparse_mla_pds_ws_kernel(
@@ -224,8 +225,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             if bounded:
                 n_it = T.alloc_var(idx_t)
                 n_it = T.min(Ends[tok], n_pairs)
-            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q, eviction_policy=q_policy)
-            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q, eviction_policy=q_policy)
+            load_q(Q, tok, h0, q_lat, q_rope, bar_q)
             for i, u in T.Parallel(HEAD_BLOCK, ONES_N):
                 ones[i, u] = T.cast(1, dtype)
             T.barrier_arrive(bar_q)

@@ -34,8 +34,10 @@ its speed does not pay here is not settled (docs/design.md gives the arithmetic 
 
 # no ``from __future__ import annotations``: TileLang evaluates the kernel's annotations (closure sizes) eagerly
 
-from .tilelang_sparse_mla import HEAD_BLOCK, LN2, LOG2E, M_FLOOR, check_tiles
-from .tilelang_sparse_mla_ws import BLOCK_N, LAUNCH_REGS, PRODUCER_THREADS, STEP, block_gatherer, kernel_prelude
+from .tilelang_sparse_mla import HEAD_BLOCK, LOG2E, check_tiles
+from .tilelang_sparse_mla_ws import (BLOCK_N, LAUNCH_REGS, PRODUCER_THREADS, STEP, block_gatherer,
+                                     consumer_epilogue, consumer_prologue, consumer_tiles, kernel_prelude,
+                                     query_tma_loader, row_exchange_buffers)
 
 __all__ = ["WS_STAGGERED_CONFIG", "build_sparse_fwd_staggered"]
 
@@ -64,8 +66,21 @@ def build_sparse_fwd_staggered(heads: int, d_v: int, d_rope: int, topk: int, sof
     n_q = T.dynamic("n_q")
     n_kv = T.dynamic("n_kv")
     wg = 128  # threads per warpgroup
-    gather_lo = block_gatherer(BLOCK_N, d_v, skip_unused, kv_hint, "lo")
-    gather_hi = block_gatherer(BLOCK_N, d_v, skip_unused, kv_hint, "hi")
+
+    def half_filler(part: str):
+        """T.macro: the producer's fill of one half of kv buffer b (``block_gatherer`` part "lo" or "hi") once
+        bar_free[b] (at parity free_ph) says it is free, completing bar_done[b]."""
+        gather = block_gatherer(BLOCK_N, d_v, skip_unused, kv_hint, part)
+
+        @T.macro
+        def fill(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row, bar_free, free_ph, bar_done, b):
+            T.barrier_wait(bar_free[b], free_ph)
+            gather(KV, Idx, tok, slot0, it, n_kv, k_lat_b, k_rope_b, r0, col, row)
+            T.cp_async_barrier_noinc(bar_done[b])
+
+        return fill
+
+    fill_lo, fill_hi = half_filler("lo"), half_filler("hi")
 
     @T.macro
     def masked_scores(Idx, tok, slot0, s, m_new):
@@ -89,38 +104,14 @@ def build_sparse_fwd_staggered(heads: int, d_v: int, d_rope: int, topk: int, sof
         for i in T.Parallel(HEAD_BLOCK):
             l_run[i] = l_run[i] * alpha[i] + l_blk[i]
 
-    def epilogue(c: int):
-        """T.macro: both consumers' row sums added, consumer c's output columns written (and lse by consumer 0)."""
-        cols = slice(c * half, (c + 1) * half)
-
-        @T.macro
-        def run(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l):
-            T.copy(l_run, l_sh[c])
-            T.barrier_arrive(bar_l)
-            T.barrier_wait(bar_l, 0)
-            for i in T.Parallel(HEAD_BLOCK):
-                l_run[i] = l_run[i] + l_sh[1 - c][i]
-            for i, j in T.Parallel(HEAD_BLOCK, half):
-                acc[i, j] = T.if_then_else(l_run[i] > 0, acc[i, j] / l_run[i], 0)
-            T.copy(acc, Out[tok, h0:h0 + HEAD_BLOCK, cols])
-            if c == 0:
-                for i in T.Parallel(HEAD_BLOCK):
-                    lse_f[i] = T.if_then_else(l_run[i] > 0, (T.log2(l_run[i]) + m_run[i]) * LN2, -T.infinity(acc_t))
-                T.copy(lse_f, Lse[tok, h0:h0 + HEAD_BLOCK])
-
-        return run
-
-    epilogue0, epilogue1 = epilogue(0), epilogue(1)
+    epilogue0, epilogue1 = consumer_epilogue(0, half), consumer_epilogue(1, half)
+    start = consumer_prologue(consumer_regs)
 
     @T.macro
     def consumer0(tok, h0, Idx, Out, Lse, q_lat, q_rope, k0_lat, k0_rope, k1_lat, p1_sh, m0_sh, m1_sh, l_sh, s, p,
                   acc, m_run, m_new, alpha, l_run, l_blk, lse_f, bar_q, bar_lo, bar_ready, bar_free_lo, bar_m0,
                   bar_m1, bar_p0, bar_p1, bar_l):
-        T.set_max_nreg(consumer_regs, 1)
-        T.fill(acc, 0)
-        T.fill(l_run, 0)
-        T.fill(m_run, M_FLOOR)
-        T.barrier_wait(bar_q, 0)
+        start(acc, l_run, m_run, bar_q)
         T.barrier_wait(bar_lo[0], 0)  # the first block's scores (later ones are issued at the end of each step)
         T.wgmma_gemm(q_lat[:, 0:half], k0_lat[:, 0:half], s, transpose_B=True, clear_accum=True)
         T.barrier_wait(bar_ready[0], 0)
@@ -171,11 +162,7 @@ def build_sparse_fwd_staggered(heads: int, d_v: int, d_rope: int, topk: int, sof
     def consumer1(tok, h0, Idx, Out, Lse, q_lat, q_rope, k0_lat, k0_rope, k1_lat, k1_rope, p1_sh, m0_sh, m1_sh, l_sh,
                   s, p, acc, m_run, m_new, alpha, l_run, l_blk, lse_f, bar_q, bar_lo, bar_ready, bar_free_hi, bar_m0,
                   bar_m1, bar_p0, bar_p1, bar_l):
-        T.set_max_nreg(consumer_regs, 1)
-        T.fill(acc, 0)
-        T.fill(l_run, 0)
-        T.fill(m_run, M_FLOOR)
-        T.barrier_wait(bar_q, 0)
+        start(acc, l_run, m_run, bar_q)
         for it in T.serial(n_it):
             ph = it & 1
             T.barrier_wait(bar_ready[1], ph)  # buffer 1's second half is gathered first
@@ -204,7 +191,7 @@ def build_sparse_fwd_staggered(heads: int, d_v: int, d_rope: int, topk: int, sof
             T.barrier_arrive(bar_free_hi[0])
         epilogue1(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l)
 
-    q_policy = "evict_first" if q_evict_first else None
+    load_q = query_tma_loader(d_v, q_evict_first)
 
     @T.prim_func
     def sparse_mla_fwd_staggered_kernel(
@@ -222,28 +209,13 @@ def build_sparse_fwd_staggered(heads: int, d_v: int, d_rope: int, topk: int, sof
             k1_lat = T.alloc_shared((BLOCK_N, d_v), dtype)  # block 2 it + 1
             k1_rope = T.alloc_shared((BLOCK_N, d_rope), dtype)
             p1_sh = T.alloc_shared((HEAD_BLOCK, BLOCK_N), dtype)  # block 2 it + 1's p (consumer 1 -> consumer 0)
-            m0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # consumer 0's running max after its tile
-            m1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # the block pair's max
-            l0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
-            l1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
-            # register tiles: one set PER CONSUMER (tilelang_sparse_mla_ws's docstring says why)
-            s0 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            m0_sh, m1_sh, l0_sh, l1_sh = row_exchange_buffers()
+            # register tiles: one set PER CONSUMER (tilelang_sparse_mla_ws's docstring says why); p: own p in bf16
+            s0, acc0, m_run0, m_new0, alpha0, l_run0, l_blk0 = consumer_tiles(BLOCK_N, half)
             p0 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), dtype)
-            acc0 = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
-            m_run0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            m_new0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            alpha0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            l_run0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            l_blk0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             lse_f = T.alloc_fragment((HEAD_BLOCK,), acc_t)  # consumer 0 writes lse
-            s1 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), acc_t)
+            s1, acc1, m_run1, m_new1, alpha1, l_run1, l_blk1 = consumer_tiles(BLOCK_N, half)
             p1 = T.alloc_fragment((HEAD_BLOCK, BLOCK_N), dtype)
-            acc1 = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
-            m_run1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            m_new1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            alpha1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            l_run1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            l_blk1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
             row = T.alloc_local((1,), idx_t)  # the producer's gathered kv row (block_gatherer)
 
             bar_q = T.alloc_barrier(arrive_count=3 * wg)
@@ -259,8 +231,7 @@ def build_sparse_fwd_staggered(heads: int, d_v: int, d_rope: int, topk: int, sof
 
             h0 = hb * HEAD_BLOCK
             tx = T.get_thread_binding()
-            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q, eviction_policy=q_policy)
-            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q, eviction_policy=q_policy)
+            load_q(Q, tok, h0, q_lat, q_rope, bar_q)
             T.barrier_arrive(bar_q)
 
             l_sh = (l0_sh, l1_sh)
@@ -281,18 +252,14 @@ def build_sparse_fwd_staggered(heads: int, d_v: int, d_rope: int, topk: int, sof
                 for it in T.serial(n_it):
                     free_ph = (it & 1) ^ 1
                     slot0 = 2 * it * BLOCK_N
-                    T.barrier_wait(bar_free_lo[0], free_ph)
-                    gather_lo(KV, Idx, tok, slot0, it, n_kv, k0_lat, k0_rope, r0, col, row)
-                    T.cp_async_barrier_noinc(bar_lo[0])
-                    T.barrier_wait(bar_free_hi[1], free_ph)
-                    gather_hi(KV, Idx, tok, slot0 + BLOCK_N, it, n_kv, k1_lat, k1_rope, r0, col, row)
-                    T.cp_async_barrier_noinc(bar_ready[1])
-                    T.barrier_wait(bar_free_hi[0], free_ph)
-                    gather_hi(KV, Idx, tok, slot0, it, n_kv, k0_lat, k0_rope, r0, col, row)
-                    T.cp_async_barrier_noinc(bar_ready[0])
-                    T.barrier_wait(bar_free_lo[1], free_ph)
-                    gather_lo(KV, Idx, tok, slot0 + BLOCK_N, it, n_kv, k1_lat, k1_rope, r0, col, row)
-                    T.cp_async_barrier_noinc(bar_lo[1])
+                    fill_lo(KV, Idx, tok, slot0, it, n_kv, k0_lat, k0_rope, r0, col, row, bar_free_lo, free_ph,
+                            bar_lo, 0)
+                    fill_hi(KV, Idx, tok, slot0 + BLOCK_N, it, n_kv, k1_lat, k1_rope, r0, col, row, bar_free_hi,
+                            free_ph, bar_ready, 1)
+                    fill_hi(KV, Idx, tok, slot0, it, n_kv, k0_lat, k0_rope, r0, col, row, bar_free_hi, free_ph,
+                            bar_ready, 0)
+                    fill_lo(KV, Idx, tok, slot0 + BLOCK_N, it, n_kv, k1_lat, k1_rope, r0, col, row, bar_free_lo,
+                            free_ph, bar_lo, 1)
 
     return sparse_mla_fwd_staggered_kernel
 

@@ -56,7 +56,8 @@ from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, ch
 __all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG",
            "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG", "WS_L2_HINTS_CONFIG", "WS_L2_256B_CONFIG",
            "WS_WHOLE_BLOCKS_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler", "build_sparse_fwd_ws",
-           "check_kv_hint", "kernel_prelude", "scores_product", "tilelang_sparse_fwd_ws", "ws_fits"]
+           "check_kv_hint", "consumer_epilogue", "consumer_prologue", "consumer_tiles", "kernel_prelude",
+           "query_tma_loader", "row_exchange_buffers", "scores_product", "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
 STEP = 2 * BLOCK_N  # top-k slots per step of the loop (a block per consumer; four 32-row blocks with block_n 32)
@@ -206,6 +207,82 @@ def scores_product(d_v: int, split_ready: bool):
     return product
 
 
+def consumer_tiles(block_n: int, half: int):
+    """One consumer's register tiles, allocated (TileLang fragments) where it is called inside a kernel body: the
+    scores s [64 heads, block_n] and output accumulator acc [64, half] (fp32), then the row vectors m_run, m_new,
+    alpha, l_run, l_blk.  Each consumer takes a set of its own (module docstring); the forwards share it."""
+    import tilelang.language as T
+
+    return (T.alloc_fragment((HEAD_BLOCK, block_n), "float32"), T.alloc_fragment((HEAD_BLOCK, half), "float32"),
+            *(T.alloc_fragment((HEAD_BLOCK,), "float32") for _ in range(5)))
+
+
+def row_exchange_buffers():
+    """The shared row vectors the two consumers of a forward exchange, allocated where it is called inside a kernel
+    body: m0_sh (consumer 0's running max), m1_sh (the block pair's max), l0_sh / l1_sh (each one's row sums)."""
+    import tilelang.language as T
+
+    return tuple(T.alloc_shared((HEAD_BLOCK,), "float32") for _ in range(4))
+
+
+def query_tma_loader(d_v: int, q_evict_first: bool = False):
+    """T.macro: the TMA loads of q's latent and rope parts for (token tok, heads h0 ..) into shared memory, both
+    completing bar_q (the caller arrives on it); q_evict_first: with an L2 evict-first hint (each q is read once).
+    Our warp-specialised kernels share it."""
+    import tilelang.language as T
+
+    policy = "evict_first" if q_evict_first else None
+
+    @T.macro
+    def load(Q, tok, h0, q_lat, q_rope, bar_q):
+        T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q, eviction_policy=policy)
+        T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:], q_rope, barrier=bar_q, eviction_policy=policy)
+
+    return load
+
+
+def consumer_prologue(consumer_regs: int):
+    """T.macro: the start of a forward's consumer: its registers raised to consumer_regs (setmaxnreg), acc and the
+    row sums zeroed, the running max at M_FLOOR, then the wait for q (bar_q)."""
+    import tilelang.language as T
+
+    @T.macro
+    def run(acc, l_run, m_run, bar_q):
+        T.set_max_nreg(consumer_regs, 1)
+        T.fill(acc, 0)
+        T.fill(l_run, 0)
+        T.fill(m_run, M_FLOOR)
+        T.barrier_wait(bar_q, 0)
+
+    return run
+
+
+def consumer_epilogue(c: int, half: int):
+    """T.macro: the end of a forward's consumer c: both consumers' row sums added (l_sh: their shared row vectors,
+    complete at bar_l), its output columns c * half .. divided by them (0 for rows without keys) and written, and
+    lse (natural log, -inf for rows without keys) written by consumer 0."""
+    import tilelang.language as T
+
+    cols = slice(c * half, (c + 1) * half)
+
+    @T.macro
+    def run(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l):
+        T.copy(l_run, l_sh[c])
+        T.barrier_arrive(bar_l)
+        T.barrier_wait(bar_l, 0)
+        for i in T.Parallel(HEAD_BLOCK):
+            l_run[i] = l_run[i] + l_sh[1 - c][i]
+        for i, j in T.Parallel(HEAD_BLOCK, half):
+            acc[i, j] = T.if_then_else(l_run[i] > 0, acc[i, j] / l_run[i], 0)
+        T.copy(acc, Out[tok, h0:h0 + HEAD_BLOCK, cols])
+        if c == 0:
+            for i in T.Parallel(HEAD_BLOCK):
+                lse_f[i] = T.if_then_else(l_run[i] > 0, (T.log2(l_run[i]) + m_run[i]) * LN2, -T.infinity("float32"))
+            T.copy(lse_f, Lse[tok, h0:h0 + HEAD_BLOCK])
+
+    return run
+
+
 def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, consumer_regs: int = 232,
                         producer_regs: int = 40, skip_unused: bool = True, block_n: int = BLOCK_N,
                         early_release: bool = False, bounded: bool = False, kv_hint=None, q_evict_first: bool = False,
@@ -253,6 +330,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     ends_shape = (n_q,) if bounded else (1,)  # unbounded: a placeholder
 
     qk = scores_product(d_v, split_ready)
+    start = consumer_prologue(consumer_regs)
 
     def consumer(c: int):
         """T.macro: consumer warpgroup c's whole part (block 2 it + c of each pair it, in kv buffer 2 set + c;
@@ -260,15 +338,12 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         s .. l_blk: its own register tiles."""
         o = 1 - c
         cols = slice(c * half, (c + 1) * half)
+        end = consumer_epilogue(c, half)
 
         @T.macro
         def run(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new, alpha,
                 l_run, l_blk, lse_f, n_it, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo):
-            T.set_max_nreg(consumer_regs, 1)
-            T.fill(acc, 0)
-            T.fill(l_run, 0)
-            T.fill(m_run, M_FLOOR)
-            T.barrier_wait(bar_q, 0)
+            start(acc, l_run, m_run, bar_q)
             for it0 in T.serial(n_it):
                 for st in set_ids:  # a Python tuple: unrolled, buffer indices stay Python ints
                     it = it0 * sets + st
@@ -323,24 +398,13 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         T.gemm(p_of[other], k_lat[other][:, cols], acc)
                         T.barrier_arrive(bar_free[2 * st])
                         T.barrier_arrive(bar_free[2 * st + 1])
-            T.copy(l_run, l_sh[c])
-            T.barrier_arrive(bar_l)
-            T.barrier_wait(bar_l, 0)
-            for i in T.Parallel(HEAD_BLOCK):
-                l_run[i] = l_run[i] + l_sh[o][i]
-            for i, j in T.Parallel(HEAD_BLOCK, half):
-                acc[i, j] = T.if_then_else(l_run[i] > 0, acc[i, j] / l_run[i], 0)
-            T.copy(acc, Out[tok, h0:h0 + HEAD_BLOCK, cols])
-            if c == 0:
-                for i in T.Parallel(HEAD_BLOCK):
-                    lse_f[i] = T.if_then_else(l_run[i] > 0, (T.log2(l_run[i]) + m_run[i]) * LN2, -T.infinity(acc_t))
-                T.copy(lse_f, Lse[tok, h0:h0 + HEAD_BLOCK])
+            end(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l)
 
         return run
 
     consumer0, consumer1 = consumer(0), consumer(1)
     fill = buffer_filler(block_n, d_v, skip_unused, kv_hint, split_ready)
-    q_policy = "evict_first" if q_evict_first else None
+    load_q = query_tma_loader(d_v, q_evict_first)
     n_buf = 2 * sets
 
     @T.prim_func
@@ -367,27 +431,12 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             k3_rope = T.alloc_shared((block_n, d_rope), dtype) if sets == 2 else None
             p0_sh = T.alloc_shared((HEAD_BLOCK, block_n), dtype) if not p_in_rope else None
             p1_sh = T.alloc_shared((HEAD_BLOCK, block_n), dtype) if not p_in_rope else None
-            m0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # consumer 0's running max after its tile
-            m1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)  # the block pair's max (consumer 1)
-            l0_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
-            l1_sh = T.alloc_shared((HEAD_BLOCK,), acc_t)
+            m0_sh, m1_sh, l0_sh, l1_sh = row_exchange_buffers()
             # register tiles: one set PER CONSUMER (a tile both branches use loses consumer 1's element-wise work in
             # TileLang's lowering: module docstring)
-            s0 = T.alloc_fragment((HEAD_BLOCK, block_n), acc_t)
-            acc0 = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
-            m_run0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            m_new0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            alpha0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            l_run0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            l_blk0 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            s0, acc0, m_run0, m_new0, alpha0, l_run0, l_blk0 = consumer_tiles(block_n, half)
             lse_f = T.alloc_fragment((HEAD_BLOCK,), acc_t)  # consumer 0 writes lse
-            s1 = T.alloc_fragment((HEAD_BLOCK, block_n), acc_t)
-            acc1 = T.alloc_fragment((HEAD_BLOCK, half), acc_t)
-            m_run1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            m_new1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            alpha1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            l_run1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
-            l_blk1 = T.alloc_fragment((HEAD_BLOCK,), acc_t)
+            s1, acc1, m_run1, m_new1, alpha1, l_run1, l_blk1 = consumer_tiles(block_n, half)
             row = T.alloc_local((1,), idx_t)  # the producer's gathered kv row (block_gatherer)
             n_it = n_outer  # the steps of this query (a Python int unless bounded)
             if bounded:
@@ -407,8 +456,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
             h0 = hb * HEAD_BLOCK
             tx = T.get_thread_binding()
-            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, 0:d_v], q_lat, barrier=bar_q, eviction_policy=q_policy)
-            T.tma_copy(Q[tok, h0:h0 + HEAD_BLOCK, d_v:d_qk], q_rope, barrier=bar_q, eviction_policy=q_policy)
+            load_q(Q, tok, h0, q_lat, q_rope, bar_q)
             T.barrier_arrive(bar_q)
 
             # buffer b's / consumer c's shared tiles (indexed by b or c in the roles below)
