@@ -31,16 +31,21 @@ class _ExitSignal:
     """Turns the exit signal (SIGTERM, or SLURM's SIGUSR1 warning) into 'save at the end of this step, exit 0'.
 
     Ctrl-C (SIGINT) does the same the first time; a second Ctrl-C stops at once (KeyboardInterrupt, exit status
-    130, no checkpoint of the unfinished step). ``restore()`` puts the previous handlers back at the end of a run."""
+    130, no checkpoint of the unfinished step). ``restore()`` puts the previous handlers back at the end of a run;
+    ``hold()`` instead, when the run ends on a lost rank, keeps both signals recorded and nothing more."""
 
     def __init__(self, name: str):
         self.received = False
+        self.holding = False
         self._interrupts = 0
         self._previous = {}
         for signum in {getattr(signal, name), signal.SIGINT}:
             self._previous[signum] = signal.signal(signum, self._handler)
 
     def _handler(self, signum, frame):
+        if self.holding:
+            self.received = True
+            return
         if signum == signal.SIGINT:
             self._interrupts += 1
             if self._interrupts > 1:
@@ -49,6 +54,13 @@ class _ExitSignal:
         else:
             log.warning("received %s: finishing this step, saving, exiting", signal.Signals(signum).name)
         self.received = True
+
+    def hold(self) -> None:
+        """The run ends on a lost rank (watchdog.JobFailure): from here both signals are only recorded, and the
+        handlers stay.  torchrun stops the surviving ranks with SIGTERM as soon as the lost one has exited; with the
+        default action back, that SIGTERM could end this process before ``arguments.main_guard`` prints the line
+        naming the lost rank and exits (status 3) -- seen once on a loaded 2-core machine."""
+        self.holding = True
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():
@@ -221,6 +233,7 @@ def train(args) -> int:
         failure = session.explain(e)
         if failure is None:
             raise
+        session.ending_on(failure)
         raise failure from None
     finally:
         session.close()
@@ -235,6 +248,7 @@ class _Session:
         self.run = None
         self.watchdog = None
         self.exit_signal = None
+        self.failed = False  # ending on a lost rank (ending_on)
 
     def beat(self, iteration: int, phase: str) -> None:
         if self.watchdog is not None:
@@ -244,8 +258,14 @@ class _Session:
         """watchdog.JobFailure naming the lost rank when ``exc`` is a failed collective, else None."""
         return self.watchdog.explain(exc) if self.watchdog is not None else None
 
-    def close(self) -> None:
+    def ending_on(self, failure) -> None:
+        """The run ends on ``failure`` (a lost rank): the exit signal is held (``_ExitSignal.hold``), not restored."""
+        self.failed = True
         if self.exit_signal is not None:
+            self.exit_signal.hold()
+
+    def close(self) -> None:
+        if self.exit_signal is not None and not self.failed:
             self.exit_signal.restore()
         if self.watchdog is not None:
             self.watchdog.stop()
