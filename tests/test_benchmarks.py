@@ -162,3 +162,20 @@ def test_interleaved_rounds_time_every_configuration_once_per_round(monkeypatch)
     assert got == {"a": [1.0, 4.0, 7.0], "b": [2.0, 5.0, 8.0], "c": [3.0, 6.0, 9.0]}
     assert kernels.median(got["b"]) == 5.0 and kernels.median([4.0, 1.0, 3.0, 2.0]) == 2.5
     assert kernels.interleaved_ms({"a": lambda: "a"}, None, 5, 1) == {"a": [10.0]}
+
+
+def test_forward_rounds_time_the_default_first_and_each_variant_once():
+    """dsa_kernels.fwd_round_configs (the --fwd-only / --bwd-only forward rows): our backend's forward first, then
+    whole blocks, the L2 hints and the staggered schedule, each a complete configuration (its own builder) under a
+    label of its own."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import dsa_kernels as kernels
+    from megatron_glm5.ops import tilelang_sparse_mla_staggered as stg
+    from megatron_glm5.ops import tilelang_sparse_mla_ws as ws
+
+    configs = kernels.fwd_round_configs()
+    labels = [label for label, _ in configs]
+    assert len(set(labels)) == len(labels) == 4
+    assert configs[0][1] is ws.WS_CONFIG
+    assert [c for _, c in configs[1:]] == [ws.WS_WHOLE_BLOCKS_CONFIG, ws.WS_L2_HINTS_CONFIG, stg.WS_STAGGERED_CONFIG]
+    assert all("builder" in c for _, c in configs)
