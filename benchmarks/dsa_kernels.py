@@ -25,6 +25,7 @@ import json
 import re
 import sys
 import time
+from statistics import median  # the rounds' median (interleaved_ms)
 
 import torch
 
@@ -97,12 +98,6 @@ def interleaved_ms(runs, refill, reps, rounds):
         for name, fn in runs.items():
             out[name].append(timed(fn, refill, reps))
     return out
-
-
-def median(xs):
-    xs = sorted(xs)
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
 
 
 class Problem:

@@ -6,7 +6,6 @@ import os
 import signal
 
 from megatron_glm5.training import loop
-from megatron_glm5.training.watchdog import JobFailure
 
 
 def _marker(signum, frame):  # a recognisable "previous" handler
@@ -18,7 +17,7 @@ def test_a_run_ending_on_a_lost_rank_records_sigterm_instead_of_dying(caplog):
     try:
         session = loop._Session()
         session.exit_signal = loop._ExitSignal("SIGTERM")
-        session.ending_on(JobFailure("rank 0: lost rank 1 (its process 123 has exited)"))
+        session.end_on_lost_rank()
         session.close()
         assert signal.getsignal(signal.SIGTERM) == session.exit_signal._handler  # held, not restored
         os.kill(os.getpid(), signal.SIGTERM)  # torchrun stopping the survivor: recorded, nothing else

@@ -57,7 +57,7 @@ __all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_C
            "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG", "WS_L2_HINTS_CONFIG", "WS_L2_256B_CONFIG",
            "WS_WHOLE_BLOCKS_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler", "build_sparse_fwd_ws",
            "check_kv_hint", "consumer_epilogue", "consumer_prologue", "consumer_tiles", "kernel_prelude",
-           "query_tma_loader", "row_exchange_buffers", "scores_product", "tilelang_sparse_fwd_ws", "ws_fits"]
+           "masked_scores", "query_tma_loader", "row_exchange_buffers", "scores_product", "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
 STEP = 2 * BLOCK_N  # top-k slots per step of the loop (a block per consumer; four 32-row blocks with block_n 32)
@@ -207,6 +207,21 @@ def scores_product(d_v: int, split_ready: bool):
     return product
 
 
+def masked_scores(block_n: int, c_log2: float):
+    """T.macro: a forward consumer's scores tile s [64 heads, block_n] (slots slot0 ..) scaled into log2 units
+    (c_log2 = softmax scale x log2 e), an unused slot's (-1 or >= n_kv) -inf, and m_new = each row's max."""
+    import tilelang.language as T
+
+    @T.macro
+    def run(Idx, tok, slot0, n_kv, s, m_new):
+        for i, j in T.Parallel(HEAD_BLOCK, block_n):
+            sel = Idx[tok, slot0 + j]
+            s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity("float32"))
+        T.reduce_max(s, m_new, dim=1, clear=True)
+
+    return run
+
+
 def consumer_tiles(block_n: int, half: int):
     """One consumer's register tiles, allocated (TileLang fragments) where it is called inside a kernel body: the
     scores s [64 heads, block_n] and output accumulator acc [64, half] (fp32), then the row vectors m_run, m_new,
@@ -330,6 +345,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     ends_shape = (n_q,) if bounded else (1,)  # unbounded: a placeholder
 
     qk = scores_product(d_v, split_ready)
+    mask = masked_scores(block_n, c_log2)
     start = consumer_prologue(consumer_regs)
 
     def consumer(c: int):
@@ -350,10 +366,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                     ph = it & 1
                     mine, other = 2 * st + c, 2 * st + o
                     qk(q_lat, q_rope, k_lat[mine], k_rope[mine], s, bar_lo, bar_ready, mine, it0 & 1)
-                    for i, j in T.Parallel(HEAD_BLOCK, block_n):
-                        sel = Idx[tok, (2 * it + c) * block_n + j]
-                        s[i, j] = T.if_then_else((sel >= 0) and (sel < n_kv), s[i, j] * c_log2, -T.infinity(acc_t))
-                    T.reduce_max(s, m_new, dim=1, clear=True)
+                    mask(Idx, tok, (2 * it + c) * block_n, n_kv, s, m_new)
                     if c == 0:  # publish max(previous max, this tile's max), then take the block pair's max
                         for i in T.Parallel(HEAD_BLOCK):
                             m_sh[0][i] = T.max(m_run[i], m_new[i])

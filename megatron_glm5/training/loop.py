@@ -233,7 +233,7 @@ def train(args) -> int:
         failure = session.explain(e)
         if failure is None:
             raise
-        session.ending_on(failure)
+        session.end_on_lost_rank()
         raise failure from None
     finally:
         session.close()
@@ -248,7 +248,6 @@ class _Session:
         self.run = None
         self.watchdog = None
         self.exit_signal = None
-        self.failed = False  # ending on a lost rank (ending_on)
 
     def beat(self, iteration: int, phase: str) -> None:
         if self.watchdog is not None:
@@ -258,14 +257,14 @@ class _Session:
         """watchdog.JobFailure naming the lost rank when ``exc`` is a failed collective, else None."""
         return self.watchdog.explain(exc) if self.watchdog is not None else None
 
-    def ending_on(self, failure) -> None:
-        """The run ends on ``failure`` (a lost rank): the exit signal is held (``_ExitSignal.hold``), not restored."""
-        self.failed = True
+    def end_on_lost_rank(self) -> None:
+        """The run ends on a lost rank (watchdog.JobFailure): the exit signal is held (``_ExitSignal.hold``), and
+        ``close`` leaves it so."""
         if self.exit_signal is not None:
             self.exit_signal.hold()
 
     def close(self) -> None:
-        if self.exit_signal is not None and not self.failed:
+        if self.exit_signal is not None and not self.exit_signal.holding:
             self.exit_signal.restore()
         if self.watchdog is not None:
             self.watchdog.stop()
