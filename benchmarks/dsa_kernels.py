@@ -236,6 +236,9 @@ def _dense_bwd_rows(p, out, lse, reps, add, match=None):
         # "atomic" splits in atomic mode past DENSE_KEY_RATIO; True in both modes; False never)
         variants += [(det, ", head sums, dense prefix", hs, dict(DENSE_PREFIX=True)) for det in (False, True)]
         variants += [(False, ", head sums, no dense prefix", hs, dict(DENSE_PREFIX=False))]
+    if p.seq <= 8192:  # each chunk's products and memsets in pieces over their rows' keys (BWD_CONFIG DENSE_PIECE_ROWS)
+        variants += [(False, f", head sums, {r}-row pieces", hs, dict(DENSE_PIECE_ROWS=r)) for r in (512, 256, 128)]
+        variants += [(True, ", head sums, 256-row pieces", hs, dict(DENSE_PIECE_ROWS=256))]
     if p.seq <= 8192:  # query chunks of the dense formulation; the scattered stores' cost (a diagnostic)
         variants += [(False, f", head sums, {r}-row chunks", hs, dict(DENSE_ROWS=r)) for r in (512, 256)]
         variants += [(False, ", head sums, every step (causal padding computed)", hs, dict(bounded=False)),
@@ -588,6 +591,8 @@ def main(argv=None):
                                 args.rounds, args.fwd_only)
         if args.profile_bwd:
             profile_dense_bwd(seq, log)
+            if seq <= 8192:
+                profile_dense_bwd(seq, log, dict(DENSE_PIECE_ROWS=256))
     for tokens in args.moe_tokens:
         result["rows"] += bench_moe_permute(tokens, args.reps, log)
     log(f"total {time.time() - t0:.0f} s")

@@ -104,7 +104,7 @@ class StandInScores:
         assert idx.dtype == torch.int32 and ends.dtype == torch.int32 and q.shape[1] == 64
         assert all(t.is_contiguous() for t in (q, kv, idx, d_o, lse, delta, ends, ds_mat, p_mat))
         n, kc = q.shape[0], ds_mat.shape[0]
-        assert ds_mat.shape == p_mat.shape == (kc, n, self.h) and (ds_mat == 0).all() and (p_mat == 0).all()
+        assert ds_mat.shape == p_mat.shape == (kc, n, self.h)
         used = (idx >= 0) & (idx < kv.shape[0])
         last = torch.where(used.any(1), idx.shape[1] - used.flip(1).int().argmax(1), 0)
         assert torch.equal(ends.long(), (last + 127) // 128)
@@ -118,6 +118,7 @@ class StandInScores:
         for t in range(n):
             for j in torch.nonzero(used[t]).flatten().tolist():
                 key = int(idx[t, j])
+                assert (ds_mat[key, t] == 0).all() and (p_mat[key, t] == 0).all()  # zeroed where it writes
                 ds_mat[key, t] = ds[t, :self.h, j].to(ds_mat.dtype)
                 p_mat[key, t] = p[t, :self.h, j].to(p_mat.dtype)
         if self.head_sums:
@@ -133,6 +134,9 @@ def _stand_in(monkeypatch, chunk_bytes=None):
         return made[-1]
 
     monkeypatch.setattr(tlbws, "compiled_kernel", compiled)
+    # the plan's chunk buffers start as NaN: a product reading an entry that nothing zeroed or wrote shows
+    monkeypatch.setattr(tsm, "_chunk_buffer", lambda size, dtype, device: torch.full(
+        (size,), float("nan"), dtype=dtype, device=device))
     # Delta = rowsum(out * d_out) - d_lse in torch (the Triton kernel's contract; no GPU here)
     monkeypatch.setattr(tsm, "bwd_delta", lambda out, d_out, d_lse: (out.float() * d_out.float()).sum(-1) - (
         0 if d_lse is None else d_lse.float()))
@@ -165,6 +169,75 @@ def test_wrapper_matches_the_reference_with_head_sums(monkeypatch, heads, topk, 
     assert (got_dq[2] == 0).all() and (hs[2] == 0).all()  # the row without keys
     assert rel_l2(got_dq, want_dq) <= 1e-2 and rel_l2(got_dkv, want_dkv) <= 1e-2
     assert rel_l2(hs, _reference_head_sums(q, kv, idx, scale, lse)) <= 1e-3
+
+
+@pytest.mark.parametrize("piece_rows,chunked", [(1, True), (2, True), (4, False), (5, False)])
+def test_wrapper_in_pieces_matches_the_reference(monkeypatch, piece_rows, chunked):
+    """BWD_CONFIG DENSE_PIECE_ROWS: each chunk's products and memsets piece by piece over the keys its rows may
+    select (rows rising as in a causal sequence, two rows without keys): dq, dkv and the head sums still the
+    reference's, with NaN where nothing is zeroed or written (so nothing unzeroed is read)."""
+    n_q, n_k, topk, scale = 9, 110, 16, 0.05  # 6.9 keys per slot: the dense formulation in both modes
+    made = _stand_in(monkeypatch, chunk_bytes=3 * 4 * n_k * 64 if chunked else None)
+    q, kv, idx = _low_then_high_inputs(n_q, n_k, topk, seed=piece_rows, step=12)
+    idx[[0, 6]] = -1
+    gen = torch.Generator().manual_seed(3)
+    d_out = torch.randn(n_q, 64, DV, generator=gen).bfloat16()
+    out, lse, want_dq, want_dkv = _reference_grads(q, kv, idx, scale, d_out, None)
+    _remember_bounds(idx)
+    hs = torch.full(idx.shape, float("nan"))
+    for det in (False, True):
+        got_dq, got_dkv = tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, None, scale, DV,
+                                                          deterministic=det, head_sums=hs,
+                                                          config=dict(DENSE_PIECE_ROWS=piece_rows))
+        assert not got_dq.isnan().any() and not got_dkv.isnan().any() and (got_dq[[0, 6]] == 0).all()
+        assert rel_l2(got_dq, want_dq) <= 1e-2 and rel_l2(got_dkv, want_dkv) <= 1e-2
+        assert rel_l2(hs, _reference_head_sums(q, kv, idx, scale, lse)) <= 1e-3
+    assert len(made[-1].calls) == (3 if chunked else 1)
+
+
+def test_pieces_multiply_only_the_keys_their_rows_may_select(monkeypatch):
+    """The products of one 8-row chunk, causal bounds (row t's last key t), in pieces of 3 rows (ends 3, 6, 8;
+    counted by hand): dkv over keys [0, 3) x all 8 rows' columns, [3, 6) x rows 3-7, [6, 8) x rows 6-7; dq of rows
+    0-2 over keys [0, 3), 3-5 over [0, 6), 6-7 over [0, 8) -- 43 (key, row) blocks of dkv against the 64 of one
+    piece; and the memsets zero exactly dkv's blocks."""
+    h, d = 2, 8
+    row_hi = torch.arange(8)
+    pieces = tsm._host_pieces(row_hi, [0], 8, 8, 3)
+    assert pieces == [[(0, 3, 3), (3, 6, 6), (6, 8, 8)]]
+    assert tsm._host_pieces(row_hi, [0], 8, 8, 8) == [[(0, 8, 8)]]
+    plan = tsm.DensePlan(8, h, 8, pieces, torch.float32, "cpu")
+    plan.buffers[0].fill_(float("nan"))
+    _, n, kc, ds, p = plan.views(0)
+    assert (n, kc) == (8, 8) and ds.shape == (8, 8 * h)
+    zeroed = [[not bool(ds[k, r * h:(r + 1) * h].isnan().any()) for r in range(8)] for k in range(8)]
+    want = [[r >= (0 if k < 3 else 3 if k < 6 else 6) for r in range(8)] for k in range(8)]
+    assert zeroed == want
+    assert all(bool(p[k, r * h].isnan()) != w for k, row in enumerate(want) for r, w in enumerate(row))
+    seen = []
+    monkeypatch.setattr(tsm, "mm_fp32_add_", lambda acc, a, b: seen.append(("dkv", acc.shape[0], a.shape[1] // h)))
+    monkeypatch.setattr(tsm, "dense_dq_mm", lambda rows, ds_, kv_: seen.append(("dq", ds_.shape[0],
+                                                                                 ds_.shape[1] // h)))
+    q, d_out, kv = torch.zeros(8, h, d), torch.zeros(8, h, d // 2), torch.zeros(8, d)
+    plan.products(torch.zeros(8, d), torch.zeros(8, h, d), kc, n, 0, q, d_out, kv, d // 2)
+    assert seen == [("dkv", 3, 8), ("dkv", 3, 8), ("dq", 3, 3), ("dkv", 3, 5), ("dkv", 3, 5), ("dq", 6, 3),
+                    ("dkv", 2, 2), ("dkv", 2, 2), ("dq", 8, 2)]
+    assert sum(k * r for what, k, r in seen[::3]) == 43  # one of each dkv pair
+
+
+def test_pieces_take_a_running_maximum_and_the_setting_is_checked():
+    """Bounds that fall inside a chunk (packed documents, rows without keys: -1) give non-decreasing piece ends;
+    the last piece's end is the chunk's key end; a bad DENSE_PIECE_ROWS is refused by name."""
+    row_hi = torch.tensor([5, 0, -1, 2, 9, 1, -1, -1])
+    assert tsm._host_pieces(row_hi, [0, 4], 4, 10, 2) == [[(0, 2, 6), (2, 4, 6)], [(0, 2, 10), (2, 4, 10)]]
+    assert tsm._host_pieces(row_hi, [6], 4, 10, 3) == [[(0, 2, 0)]]
+    assert tsm._host_chunk_key_ends(row_hi, [0, 3, 6], 3, 10) == [6, 10, 0]
+    idx = torch.zeros(4, 2, dtype=torch.int32)
+    host_windows.remember_row_ends(idx, torch.zeros(4, dtype=torch.int64))
+    for bad in (0, -3, 2.5, True, "256"):
+        with pytest.raises(ValueError, match=f"DENSE_PIECE_ROWS must be a positive int or None, got {bad!r}"):
+            tsm.dense_plan(torch.zeros(4, 2, 8), torch.zeros(4, 8), idx, None, dict(DK="dense", DENSE_PIECE_ROWS=bad))
+    plan = tsm.dense_plan(torch.zeros(4, 2, 8), torch.zeros(4, 8), idx, None, dict(DK="dense", DENSE_PIECE_ROWS=64))
+    assert plan.pieces == [[(0, 4, 1)]]  # at most the chunk
 
 
 def test_wrapper_without_head_sums_passes_a_placeholder(monkeypatch):
@@ -257,6 +330,43 @@ def test_gpu_dense_backward_real_shapes(layout, monkeypatch):
         assert not hs.isnan().any() and rel_l2(hs, want_hs) <= 1e-3, rel_l2(hs, want_hs)
         runs.append((got_dq, got_dkv, hs))
     assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[2]))  # bitwise reproducible
+
+
+@gpu
+@needs_gpu_tilelang
+@pytest.mark.parametrize("layout", ["causal", "packed"])
+def test_gpu_dense_backward_in_pieces_matches_the_reference(layout, monkeypatch):
+    """BWD_CONFIG DENSE_PIECE_ROWS at GLM-5 shapes: the products and memsets (on the side stream: ZERO_AHEAD, and
+    with the kept buffer: ZEROS "restore") piece by piece over each piece's keys, chunk buffers NaN to start with
+    (a product reading an entry nothing zeroed or wrote shows): dq, dkv, head sums against the fp32 reference and
+    within a bf16 rounding of one piece per chunk, deterministic bitwise repeatable."""
+    from test_ops_triton import gpu_sparse_problem
+
+    pr = gpu_sparse_problem(layout, seed=29)
+    q, kv, idx, d_out, scale = pr.q, pr.kv, pr.idx, pr.d_out, pr.scale
+    _remember_bounds(idx)
+    out, lse = tlm.tilelang_sparse_fwd(q, kv, idx, scale, DV)
+    monkeypatch.setattr(tsm, "_chunk_buffer", lambda size, dtype, device: torch.full(
+        (size,), float("nan"), dtype=dtype, device=device))
+
+    def run(det, **cfg):
+        hs = torch.full(idx.shape, float("nan"), device="cuda")
+        dq, dkv = tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, None, scale, DV, deterministic=det,
+                                                  head_sums=hs, config=cfg)
+        return dq, dkv, hs
+
+    for det in (False, True):
+        whole = run(det)
+        for cfg in (dict(DENSE_PIECE_ROWS=256), dict(DENSE_PIECE_ROWS=128, ZEROS="restore"),
+                    dict(DENSE_PIECE_ROWS=300, DENSE_ROWS=512)):
+            got = run(det, **cfg)
+            for key, g, want in (("dq", got[0], pr.dq), ("dkv", got[1], pr.dkv)):
+                assert not g.isnan().any(), (key, cfg)
+                assert rel_l2(g, want) <= 1e-2, (key, det, cfg, rel_l2(g, want))
+            for key, g, w in zip(("dq", "dkv", "head sums"), got, whole):
+                assert rel_l2(g, w) <= 4e-3, (key, det, cfg, rel_l2(g, w))  # a bf16 ulp at most
+            if det:
+                assert all(torch.equal(a, b) for a, b in zip(got, run(det, **cfg))), cfg
 
 
 @gpu

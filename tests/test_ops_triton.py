@@ -46,14 +46,17 @@ D_V, D_ROPE = 32, 16
 # (layout, deterministic dkv)
 MLA_MODES = [("packed", True), ("packed", False), ("cp", True), ("cp", False), ("empty_rows", True)]
 # backward variants besides the default (DK "auto", padding skipped): (layout, deterministic, variant) -- the
-# one-kernel backward, each dk formulation, "slots" without the padding skip, and buffers of 3 query rows (chunks)
+# one-kernel backward, each dk formulation, "slots" without the padding skip, buffers of 3 query rows (chunks), and
+# the dense plan's products and memsets in pieces of a few rows (DENSE_PIECE_ROWS)
 MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("packed", True, "slots"),
                 ("cp", False, "slots"), ("packed", False, "dense"), ("empty_rows", True, "dense"),
                 ("empty_rows", False, "slots_no_skip"), ("cp", True, "slots_chunked"), ("cp", False, "dense_chunked"),
                 ("cp", True, "dense_chunked"), ("packed", True, "dense_chunked_split1"),
                 ("cp", False, "dense_chunked_split3"), ("empty_rows", False, "dense_host_bounds"),
                 ("cp", True, "dense_chunked_host_bounds"), ("empty_rows", True, "dense_host_bounds_restore"),
-                ("cp", False, "dense_chunked_host_bounds_restore"), ("packed", True, "dense_host_bounds_restore")]
+                ("cp", False, "dense_chunked_host_bounds_restore"), ("packed", True, "dense_host_bounds_restore"),
+                ("packed", False, "dense_host_bounds_pieces"), ("cp", True, "dense_chunked_host_bounds_pieces"),
+                ("empty_rows", True, "dense_host_bounds_pieces_restore")]
 # indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block, form / d_k_idx path); top-k 8 / 16
 # / 12 below, so block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12). Paths
 # (tests/triton_interp_runner.KL_DK): "auto" without host row bounds (slot form: atomics / deterministic rows),

@@ -29,7 +29,10 @@ MLA_VARIANTS = {"one_kernel": dict(DK="in_kernel", SKIP_PAD=False), "slots": dic
                 "dense_host_bounds": dict(DK="dense", ZEROS="memset"),
                 "dense_chunked_host_bounds": dict(DK="dense", ZEROS="memset"),
                 "dense_host_bounds_restore": dict(DK="dense", ZEROS="restore"),
-                "dense_chunked_host_bounds_restore": dict(DK="dense", ZEROS="restore")}
+                "dense_chunked_host_bounds_restore": dict(DK="dense", ZEROS="restore"),
+                "dense_host_bounds_pieces": dict(DK="dense", ZEROS="memset", DENSE_PIECE_ROWS=7),
+                "dense_chunked_host_bounds_pieces": dict(DK="dense", ZEROS="memset", DENSE_PIECE_ROWS=2),
+                "dense_host_bounds_pieces_restore": dict(DK="dense", ZEROS="restore", DENSE_PIECE_ROWS=5)}
 
 
 def run_mla(c):
@@ -39,6 +42,9 @@ def run_mla(c):
     kv = c["kv"].clone().requires_grad_()
     res = {}
     default = dict(triton_sparse_mla.BWD_CONFIG)
+    # the dense plans' chunk buffers start as NaN: a product reading an entry that nothing zeroed or wrote shows
+    triton_sparse_mla._chunk_buffer = lambda size, dtype, device: torch.full((size,), float("nan"), dtype=dtype,
+                                                                             device=device)
     budgets = triton_sparse_mla.DET_BUFFER_BYTES, triton_sparse_mla.PDS_BUFFER_BYTES
     for det, variant in [(m, None) for m in c["modes"]] + c.get("variants", []):
         q.grad = kv.grad = None

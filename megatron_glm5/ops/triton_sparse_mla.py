@@ -19,8 +19,9 @@ dK = dS^T Q (+ P^T dO on the latent part) are then formed one of three ways (BWD
     entry is written once), multiplied with Q and dO with fp32 accumulation -- no atomics, but every key below the
     chunk's key end is multiplied, selected or not.  When the indexer that made ``indices`` left their per-row key
     bounds on the host (``host_windows.row_ends``: the windows it planned with), each chunk's key end is known on
-    the host and the products are two cuBLAS GEMMs over exactly those keys (``_dense_dkv_mm``), and dq a third
-    (``dense_dq_mm``: dS^T kv on the same matrix; kernel 1 then only forms p and ds).  Otherwise (top-k
+    the host and the products are two cuBLAS GEMMs over exactly those keys (``_dense_piece_products``; with
+    DENSE_PIECE_ROWS per piece of the chunk's rows, over each piece's keys), and dq a third (``dense_dq_mm``: dS^T
+    kv on the same matrix; kernel 1 then only forms p and ds).  Otherwise (top-k
     lists from elsewhere, or BWD_CONFIG DENSE_DKV "triton") ``_dense_dkv_kernel`` does them: launched over all
     n_keys, it reads the chunk's largest index on the device (key blocks past it exit) and zeroes the tiles it
     read, so the buffer is zeroed once per call;
@@ -96,7 +97,7 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
                   DK_BLOCK_S=128, DK_BLOCK_C=64, DK_num_warps=8, DK_num_stages=2,
                   DENSE_DKV="auto", DENSE_DQ=True, DENSE_ROWS=None, DENSE_BLOCK_K=128, DENSE_BLOCK_C=128,
                   DENSE_BLOCK_J=64, DENSE_SPLIT=2, DENSE_num_warps=8, DENSE_num_stages=3, ZERO_AHEAD=True,
-                  ZEROS="auto", DENSE_PREFIX=DENSE_PREFIX_DEFAULT)
+                  ZEROS="auto", DENSE_PREFIX=DENSE_PREFIX_DEFAULT, DENSE_PIECE_ROWS=None)
 # DENSE_DKV: "auto" -- cuBLAS over the host-known key ends when the indexer left its row bounds, else the Triton
 # _dense_dkv_kernel; "triton" -- always the kernel.  DENSE_DQ: with cuBLAS's dkv, dq too is one cuBLAS GEMM per
 # chunk on the dense ds (dense_dq_mm; kernel 1 then has no dq products), False: dq in kernel 1.  DENSE_ROWS: at
@@ -111,7 +112,10 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
 # ZEROS_RESTORE_RATIO live in ops/sparse_bwd_budget.py, which the memory planner reads too.  DENSE_PREFIX (read by
 # our TileLang backward, dense_prefix_split): with the indexer's host row bounds and DK "auto", the dense formulation
 # for the leading rows whose last key is below PREFIX_KEY_RATIO x topk and "slots" for the rest (dense_prefix_rows);
-# "atomic": in atomic mode past DENSE_KEY_RATIO, True: both modes, any length, False: never (prefix_applies)
+# "atomic": in atomic mode past DENSE_KEY_RATIO, True: both modes, any length, False: never (prefix_applies).
+# DENSE_PIECE_ROWS (cuBLAS products, DensePlan): each chunk's products and memsets cut in pieces of this many query
+# rows, each over the keys its rows may select (the host row bounds), so the causal triangle of a chunk's diagonal
+# block is neither zeroed nor multiplied; None: one piece per chunk
 # the earlier one-kernel backward with the block shape tuned for it
 ONE_KERNEL_BWD_CONFIG = dict(BWD_CONFIG, BLOCK_N=32, H_SPLIT=2, num_warps=8, num_stages=2, DK="in_kernel",
                              SKIP_PAD=False)
@@ -559,16 +563,21 @@ def _dense_rows(n_q: int, n_keys: int, h: int, elt: int, cfg: dict) -> int:
 _chunk_rows = chunk_rows
 
 
-def _dense_dkv_mm(dkv, pds, p_off, kc, n, h, q, d_out, t0, d_v):
-    """dkv[:kc] += dS^T Q + (P^T dO on the latent part) for one query chunk whose keys are all below kc (known on
-    the host), from the [kc, n * h] matrices that _bwd_kernel (DK_MODE 2) scattered: two cuBLAS GEMMs contracting
-    (query, head), fp32 results."""
-    ds = pds[:kc * n * h].view(kc, n * h)
-    p = pds[p_off:p_off + kc * n * h].view(kc, n * h)
-    qc = q[t0:t0 + n].reshape(n * h, -1)
-    doc = d_out[t0:t0 + n].reshape(n * h, -1)
-    mm_fp32_add_(dkv[:kc], ds, qc)
-    mm_fp32_add_(dkv[:kc, :d_v], p, doc)
+def _dense_piece_products(dkv, dq, ds, p, pieces, qc, doc, kv, d_v, h, with_dq: bool) -> None:
+    """One query chunk's cuBLAS products from the [kc, n * h] dS and P matrices that kernel 1 scattered, cut in
+    ``pieces`` (row r0..r1 of the chunk, e: one past the largest key a row of it or of an earlier piece may select;
+    non-decreasing): dkv[lo:e] += dS^T Q + (P^T dO on the latent part) over the columns of the rows that may select
+    keys in [lo, e) -- this piece's and the later ones' (the earlier pieces' keys all lie below lo) -- and, with_dq,
+    dq of the piece's rows = dS^T kv over its keys [0, e).  fp32 results; one piece is the whole chunk."""
+    lo = 0
+    for r0, r1, e in pieces:
+        c0, c1 = r0 * h, r1 * h
+        if e > lo:
+            mm_fp32_add_(dkv[lo:e], ds[lo:e, c0:], qc[c0:])
+            mm_fp32_add_(dkv[lo:e, :d_v], p[lo:e, c0:], doc[c0:])
+            lo = e
+        if with_dq:
+            dense_dq_mm(dq[r0:r1].view((r1 - r0) * h, -1), ds[:e, c0:c1], kv)
 
 
 @triton.jit
@@ -626,9 +635,16 @@ def release_kept_zero_buffers() -> None:
 class DensePlan:
     """The "dense" formulation with host-known key ends: query chunks of ``rows`` (chunk i starts at starts[i],
     its keys all below key_ends[i]) and the buffers for the [key, query x head] dS and P matrices of a chunk (P at
-    p_off of a buffer).  ``views(i)``, called for i = 0, 1, ... in order: chunk i's (t0, n, kc, ds, p) with ds / p
-    [kc, n * h] zeroed; ``products(...)``: its cuBLAS GEMMs.  The Triton backward's kernel 1 and the tilelang
-    backend's scores kernel both fill it.
+    p_off of a buffer).  ``views(i)``, called for i = 0, 1, ... in order: chunk i's (t0, n, kc, ds, p), ds / p
+    [kc, n * h] zeroed wherever a row of the chunk may write or a product reads; ``products(...)``: its cuBLAS GEMMs.
+    The Triton backward's kernel 1 and the tilelang backend's scores kernel both fill it.
+
+    ``pieces`` (per chunk, from _host_pieces; BWD_CONFIG DENSE_PIECE_ROWS): the chunk's rows cut in pieces, each
+    with its own key end.  Rows of an early piece select no key past its end, so the products skip the
+    [key, column] blocks above them (the causal triangle of the chunk's diagonal block, which one product over
+    every key below the chunk's key end multiplies as zeros) and the memsets zero only what is read: for each piece
+    the keys from the previous piece's end to its own, in the columns of its rows and the later ones'.  One piece
+    per chunk (the default) is the whole [kc, n * h] matrix, as before.
 
     ``zero_ahead`` (CUDA, two chunks or more): two buffers; chunk i + 1's is zeroed on a side stream once the
     work issued before views(i) (chunk i - 1's GEMMs, its last reader) is done, so the memset overlaps chunk i's
@@ -641,11 +657,12 @@ class DensePlan:
     products(...) ends chunk i by zeroing the entries at its rows' selected keys again (``_restore_zeros_kernel``,
     in stream order after the GEMMs that read them) -- the written entries only, not the whole matrices."""
 
-    def __init__(self, n_q: int, h: int, rows: int, key_ends: list, dtype: torch.dtype, device,
+    def __init__(self, n_q: int, h: int, rows: int, pieces: list, dtype: torch.dtype, device,
                  zero_ahead: bool = False, restore: Optional[torch.Tensor] = None):
-        self.n_q, self.h, self.rows, self.key_ends = n_q, h, rows, key_ends
+        self.n_q, self.h, self.rows, self.pieces = n_q, h, rows, pieces
+        self.key_ends = [p[-1][2] for p in pieces]
         self.starts = list(range(0, n_q, rows))
-        self.p_off = max(key_ends, default=0) * rows * h
+        self.p_off = max(self.key_ends, default=0) * rows * h
         self.indices = restore
         self.ahead = (restore is None and bool(zero_ahead) and torch.device(device).type == "cuda"
                       and len(self.starts) > 1)
@@ -654,7 +671,7 @@ class DensePlan:
             self._kept = _kept_zero.take(size, dtype, device)
             self.buffers = [self._kept[0]]
         else:
-            self.buffers = [torch.empty(size, dtype=dtype, device=device) for _ in range(2 if self.ahead else 1)]
+            self.buffers = [_chunk_buffer(size, dtype, device) for _ in range(2 if self.ahead else 1)]
         self._side = torch.cuda.Stream(device) if self.ahead else None
         self._zeroed = {}  # chunk -> the side stream's event after zeroing it
 
@@ -663,51 +680,59 @@ class DensePlan:
         return self.buffers[i % len(self.buffers)]
 
     def _region(self, i: int):
-        """(ds, p) of chunk i: flat views of its [kc, n * h] matrices."""
+        """(ds, p) of chunk i: its [kc, n * h] matrices."""
         t0, kc = self.starts[i], self.key_ends[i]
-        size = kc * min(self.rows, self.n_q - t0) * self.h
+        cols = min(self.rows, self.n_q - t0) * self.h
         buf = self.buffer(i)
-        return buf[:size], buf[self.p_off:self.p_off + size]
+        return buf[:kc * cols].view(kc, cols), buf[self.p_off:self.p_off + kc * cols].view(kc, cols)
+
+    def _zero(self, i: int) -> None:
+        """Zero what chunk i's kernel may write and its products read: per piece, the keys from the previous
+        piece's end to its own in the columns of its rows and the later ones' (one piece: both whole matrices)."""
+        lo = 0
+        for r0, _, e in self.pieces[i]:
+            if e > lo:
+                for m in self._region(i):
+                    m[lo:e, r0 * self.h:].zero_()
+                lo = e
 
     def views(self, i: int):
         t0, kc = self.starts[i], self.key_ends[i]
         n = min(self.rows, self.n_q - t0)
-        ds, p = self._region(i)
         if self.indices is not None:  # kept zero: the kernel may now write entries not yet restored
             self._kept[1] = True
         elif self.ahead:
-            main = torch.cuda.current_stream(ds.device)
+            main = torch.cuda.current_stream(self.buffer(i).device)
             if i + 1 < len(self.starts):  # the next chunk's buffer: chunk i - 1's, whose GEMMs are issued
                 done = main.record_event()
                 with torch.cuda.stream(self._side):
                     self._side.wait_event(done)
-                    ds_next, p_next = self._region(i + 1)
-                    ds_next.zero_()
-                    p_next.zero_()
+                    self._zero(i + 1)
                     self._zeroed[i + 1] = self._side.record_event()
             zeroed = self._zeroed.pop(i, None)
             if zeroed is None:  # chunk 0 (or a restarted pass): in stream order
-                ds.zero_()
-                p.zero_()
+                self._zero(i)
             else:
                 main.wait_event(zeroed)
         else:
-            ds.zero_()
-            p.zero_()
-        return t0, n, kc, ds.view(kc, n * self.h), p.view(kc, n * self.h)
+            self._zero(i)
+        ds, p = self._region(i)
+        return t0, n, kc, ds, p
 
     def chunks(self):
         return (self.views(i) for i in range(len(self.starts)))
 
     def products(self, dkv, dq, kc, n, t0, q, d_out, kv, d_v, with_dq: bool = True):
-        """dkv[:kc] += dS^T Q + P^T dO (latent part) and, with_dq, dq of the chunk's rows = dS kv."""
-        buf = self.buffer(t0 // self.rows)
-        if kc > 0:
-            _dense_dkv_mm(dkv, buf, self.p_off, kc, n, self.h, q, d_out, t0, d_v)
-        if with_dq:
-            dense_dq_mm(dq, buf, kc, n, self.h, kv, t0)
+        """dkv[:kc] += dS^T Q + P^T dO (latent part) and, with_dq, dq of the chunk's rows = dS kv, piece by piece
+        (_dense_piece_products)."""
+        i = t0 // self.rows
+        ds, p = self._region(i)
+        h = self.h
+        _dense_piece_products(dkv, dq[t0:t0 + n] if with_dq else None, ds, p, self.pieces[i],
+                              q[t0:t0 + n].reshape(n * h, -1), d_out[t0:t0 + n].reshape(n * h, -1), kv, d_v, h,
+                              with_dq)
         if self.indices is not None:
-            self._restore(buf, kc, n, t0)
+            self._restore(self.buffer(i), kc, n, t0)
 
     def _restore(self, buf, kc: int, n: int, t0: int) -> None:
         """Zero again the entries chunk (t0, n)'s kernel wrote: at each row's selected keys below kc."""
@@ -719,6 +744,11 @@ class DensePlan:
                 BLOCK_S=block_s, HP=max(16, triton.next_power_of_2(self.h)), num_warps=4)
         if t0 + n >= self.n_q:  # the plan's last chunk: the buffer is all zero again
             self._kept[1] = False
+
+
+def _chunk_buffer(size: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A dense plan's chunk buffer, uninitialised (each chunk zeroes what it uses; the tests fill it with NaN)."""
+    return torch.empty(size, dtype=dtype, device=device)
 
 
 def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Optional[dict] = None,
@@ -735,7 +765,12 @@ def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Opt
             or _dk_mode(cfg, n_keys, topk, det) != "dense"):
         return None
     rows = _dense_rows(n_q, n_keys, h, q.element_size(), cfg)
-    ends = _host_chunk_key_ends(row_hi, range(0, n_q, rows), rows, n_keys)
+    piece_rows = cfg.get("DENSE_PIECE_ROWS")
+    if piece_rows is not None and (isinstance(piece_rows, bool) or not isinstance(piece_rows, int)
+                                   or piece_rows < 1):
+        raise ValueError(f"triton sparse_mla_bwd: BWD_CONFIG DENSE_PIECE_ROWS must be a positive int or None, got "
+                         f"{piece_rows!r}")
+    pieces = _host_pieces(row_hi, range(0, n_q, rows), rows, n_keys, min(piece_rows or rows, rows))
     zeros = cfg.get("ZEROS", "memset")
     if zeros not in ("memset", "restore", "auto"):
         raise ValueError(f"triton sparse_mla_bwd: unknown ZEROS {zeros!r} (memset, restore, auto)")
@@ -745,19 +780,20 @@ def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Opt
     elif zeros == "restore" and not runs_kernels:
         raise ValueError("triton sparse_mla_bwd: ZEROS 'restore' runs a Triton kernel: it needs a CUDA GPU (or "
                          "Triton's interpreter, TRITON_INTERPRET=1)")
-    return DensePlan(n_q, h, rows, ends, q.dtype, q.device, zero_ahead=bool(cfg.get("ZERO_AHEAD", False)),
+    return DensePlan(n_q, h, rows, pieces, q.dtype, q.device, zero_ahead=bool(cfg.get("ZERO_AHEAD", False)),
                      restore=indices.contiguous() if zeros == "restore" else None)
 
 
-def dense_dq_mm(dq, pds, kc, n, h, kv, t0):
-    """dq[t0:t0 + n] = dS kv for one query chunk from the [kc, n * h] dS matrix that kernel 1 scattered (its keys
-    all below kc): one cuBLAS GEMM contracting the keys (fp32 accumulation, one rounding to dq's dtype), instead
-    of the per-block ds k products inside kernel 1.  dq: contiguous [T, h, D], written in full for these rows."""
-    rows = dq[t0:t0 + n].view(n * h, -1)
-    if kc == 0:
+def dense_dq_mm(rows: torch.Tensor, ds: torch.Tensor, kv: torch.Tensor) -> None:
+    """rows = ds^T kv: dq of a piece of query rows ([n * h, D], contiguous, written in full) from its columns of
+    the [key, query x head] dS matrix that kernel 1 scattered (``ds`` [e, n * h], a view; the rows' keys all below
+    e): one cuBLAS GEMM contracting the keys (fp32 accumulation, one rounding to dq's dtype), instead of the
+    per-block ds k products inside kernel 1."""
+    e = ds.shape[0]
+    if e == 0:
         rows.zero_()
         return
-    torch.mm(pds[:kc * n * h].view(kc, n * h).t(), kv[:kc], out=rows)
+    torch.mm(ds.t(), kv[:e], out=rows)
 
 
 @functools.lru_cache(maxsize=None)
@@ -814,8 +850,25 @@ def mm_fp32_add_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _host_chunk_key_ends(row_hi: torch.Tensor, starts, rows: int, n_keys: int) -> list:
     """Per query chunk: one past the largest key its rows may select, from the indexer's host row bounds."""
+    return [pieces[-1][2] for pieces in _host_pieces(row_hi, starts, rows, n_keys, rows)]
+
+
+def _host_pieces(row_hi: torch.Tensor, starts, rows: int, n_keys: int, piece_rows: int) -> list:
+    """Per query chunk (rows [t0, t0 + rows) for t0 in starts): its rows cut in pieces of at most ``piece_rows``,
+    [(r0, r1, e), ...] with r0, r1 relative to t0 and e one past the largest key that a row of the piece or of an
+    earlier piece of the chunk may select (the indexer's host row bounds; a running maximum, so e never decreases
+    and the last piece's e is the chunk's key end)."""
     hi = row_hi.reshape(-1).to(torch.int64).clamp(-1, n_keys - 1)
-    return [int(hi[t0:t0 + rows].max()) + 1 for t0 in starts]
+    n_q = hi.numel()
+    out = []
+    for t0 in starts:
+        n = min(rows, n_q - t0)
+        part = hi[t0:t0 + n]
+        pad = -n % piece_rows
+        tops = (torch.cat([part, part.new_full((pad,), -1)]) if pad else part).view(-1, piece_rows).amax(1)
+        tops = (torch.cummax(tops, 0).values + 1).tolist()
+        out.append([(r0, min(n, r0 + piece_rows), e) for r0, e in zip(range(0, n, piece_rows), tops)])
+    return out
 
 
 def _dense_dkv(dkv, pds, p_off, key_ends, chunk, n, h, q, d_out, t0, d_v, cfg):
