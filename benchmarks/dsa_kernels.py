@@ -25,7 +25,7 @@ import json
 import re
 import sys
 import time
-from statistics import median  # the rounds' median (interleaved_ms)
+from statistics import median  # the rounds' median (interleaved_ms), the profile's wall
 
 import torch
 
@@ -295,6 +295,19 @@ def profile_dense_bwd(seq, log, config=None):
     for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:12]:
         log(f"  {ms:8.3f}  {name[:110]}")
     log(f"  {sum(per.values()):8.3f}  total")
+    wall, host = [], []
+    for _ in range(5):  # the GPU idle wherever the host has not issued the next kernel yet (the wall minus the total)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        h0 = time.perf_counter()
+        run()
+        host.append((time.perf_counter() - h0) * 1e3)
+        end.record()
+        end.synchronize()
+        wall.append(start.elapsed_time(end))
+    log(f"  {median(wall):8.3f}  wall (CUDA events, median of 5); the host took "
+        f"{median(host):.3f} ms to issue it")
 
 
 def load_baseline(path):
