@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_glm5.config import GLM5Config
 
@@ -179,3 +180,29 @@ def test_forward_rounds_time_the_default_first_and_each_variant_once():
     assert configs[0][1] is ws.WS_CONFIG
     assert [c for _, c in configs[1:]] == [ws.WS_WHOLE_BLOCKS_CONFIG, ws.WS_L2_HINTS_CONFIG, stg.WS_STAGGERED_CONFIG]
     assert all("builder" in c for _, c in configs)
+
+
+def test_ncu_target_names_the_forward_rounds_configurations_and_checks_its_flags(capsys):
+    """benchmarks/ncu_target.py (one call for Nsight Compute; the call itself needs a GPU): --config names the
+    configurations of dsa_kernels.fwd_round_configs (one list), flags of the other op are refused, and without a
+    GPU it says so."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import dsa_kernels as kernels
+    import ncu_target
+
+    names = ncu_target.forward_configs()
+    assert list(names) == ["default", "whole blocks", "L2 hints", "staggered"]
+    assert list(names.values()) == [c for _, c in kernels.fwd_round_configs()]
+    args = ncu_target.parse(["--op", "fwd", "--config", "staggered", "--unused"])
+    assert (args.seq, args.config, args.unused) == (32768, "staggered", True)
+    assert ncu_target.parse(["--op", "bwd", "--seq", "4096", "--pieces", "256"]).pieces == 256
+    for bad, says in ((["--op", "fwd", "--config", "fast"], "--config 'fast': one of default, whole blocks"),
+                      (["--op", "bwd", "--unused"], "--config and --unused are the forward's"),
+                      (["--op", "fwd", "--pieces", "256"], "--pieces takes a positive number of rows"),
+                      (["--op", "bwd", "--pieces", "0"], "--pieces takes a positive number of rows")):
+        with pytest.raises(SystemExit):
+            ncu_target.parse(bad)
+        assert says in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            ncu_target.main(["--op", "fwd"])
