@@ -555,3 +555,15 @@ def test_gpu_dense_prefix_split_matches_the_reference():
         assert not hs.isnan().any() and rel_l2(hs, want_hs) <= 1e-3
         runs.append((got_dq, got_dkv, hs))
     assert all(torch.equal(a, b) for a, b in zip(runs[1], runs[2]))
+
+
+def test_a_narrow_block_is_zeroed_in_16_byte_elements_and_nothing_else():
+    """triton_sparse_mla._zero_block_: a piece's block of a [keys, rows x heads] bf16 matrix (not contiguous) is
+    zeroed exactly -- through a 16-byte view where its width, start and row stride allow, element by element where
+    they do not -- and nothing outside it changes."""
+    for h, r0 in ((8, 1), (8, 3), (3, 1), (64, 2)):
+        mat = torch.full((5, 4 * h), 7.0, dtype=torch.bfloat16)
+        tsm._zero_block_(mat[1:4, r0 * h:])  # h 8, 64: 16-byte elements; h 3: 2-byte ones
+        want = torch.full((5, 4 * h), 7.0, dtype=torch.bfloat16)
+        want[1:4, r0 * h:] = 0
+        assert torch.equal(mat, want), (h, r0)

@@ -693,7 +693,7 @@ class DensePlan:
         for r0, _, e in self.pieces[i]:
             if e > lo:
                 for m in self._region(i):
-                    m[lo:e, r0 * self.h:].zero_()
+                    _zero_block_(m[lo:e, r0 * self.h:])
                 lo = e
 
     def views(self, i: int):
@@ -744,6 +744,18 @@ class DensePlan:
                 BLOCK_S=block_s, HP=max(16, triton.next_power_of_2(self.h)), num_warps=4)
         if t0 + n >= self.n_q:  # the plan's last chunk: the buffer is all zero again
             self._kept[1] = False
+
+
+def _zero_block_(m: torch.Tensor) -> None:
+    """Zero a 2-D block of a row-major matrix.  A block narrower than its rows (a piece's columns) is no contiguous
+    tensor, so torch's fill would store it element by element (2 bytes each); viewed as 16-byte elements where its
+    width, start and row stride are multiples of 16 bytes (64 heads: always) it is stored 16 bytes at a time.  A
+    contiguous block is zeroed as is."""
+    b = m.element_size()
+    if (not m.is_contiguous() and m.dim() == 2 and m.stride(1) == 1 and (m.shape[1] * b) % 16 == 0
+            and (m.stride(0) * b) % 16 == 0 and (m.storage_offset() * b) % 16 == 0):
+        m = m.view(torch.complex128)
+    m.zero_()
 
 
 def _chunk_buffer(size: int, dtype: torch.dtype, device) -> torch.Tensor:
