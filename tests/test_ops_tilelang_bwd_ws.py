@@ -202,9 +202,9 @@ def test_pieces_multiply_only_the_keys_their_rows_may_select(monkeypatch):
     piece; and the memsets zero exactly dkv's blocks."""
     h, d = 2, 8
     row_hi = torch.arange(8)
-    pieces = tsm._host_pieces(row_hi, [0], 8, 8, 3)
+    pieces = tsm._host_pieces(row_hi, 8, 8, 3)
     assert pieces == [[(0, 3, 3), (3, 6, 6), (6, 8, 8)]]
-    assert tsm._host_pieces(row_hi, [0], 8, 8, 8) == [[(0, 8, 8)]]
+    assert tsm._host_pieces(row_hi, 8, 8, 8) == [[(0, 8, 8)]]
     plan = tsm.DensePlan(8, h, 8, pieces, torch.float32, "cpu")
     plan.buffers[0].fill_(float("nan"))
     _, n, kc, ds, p = plan.views(0)
@@ -228,9 +228,9 @@ def test_pieces_take_a_running_maximum_and_the_setting_is_checked():
     """Bounds that fall inside a chunk (packed documents, rows without keys: -1) give non-decreasing piece ends;
     the last piece's end is the chunk's key end; a bad DENSE_PIECE_ROWS is refused by name."""
     row_hi = torch.tensor([5, 0, -1, 2, 9, 1, -1, -1])
-    assert tsm._host_pieces(row_hi, [0, 4], 4, 10, 2) == [[(0, 2, 6), (2, 4, 6)], [(0, 2, 10), (2, 4, 10)]]
-    assert tsm._host_pieces(row_hi, [6], 4, 10, 3) == [[(0, 2, 0)]]
-    assert tsm._host_chunk_key_ends(row_hi, [0, 3, 6], 3, 10) == [6, 10, 0]
+    assert tsm._host_pieces(row_hi, 4, 10, 2) == [[(0, 2, 6), (2, 4, 6)], [(0, 2, 10), (2, 4, 10)]]
+    assert tsm._host_pieces(row_hi, 6, 10, 3) == [[(0, 3, 6), (3, 6, 10)], [(0, 2, 0)]]
+    assert tsm._host_chunk_key_ends(row_hi, 3, 10) == [6, 10, 0]
     idx = torch.zeros(4, 2, dtype=torch.int32)
     host_windows.remember_row_ends(idx, torch.zeros(4, dtype=torch.int64))
     for bad in (0, -3, 2.5, True, "256"):

@@ -276,7 +276,7 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
         tiles_cfg = dict(triton_kl_tiles.TILE_CONFIG, **(cfg0.get("TILES") or {}))
         rows = min(int(tiles_cfg["ROWS"]), _chunk_rows(n_q, n_keys * n_heads * k_idx.element_size(),
                                                        PDS_BUFFER_BYTES))
-        ends = _host_chunk_key_ends(row_hi, range(0, n_q, rows), rows, n_keys)
+        ends = _host_chunk_key_ends(row_hi, rows, n_keys)
         try:
             triton_kl_tiles.kl_tiles(q_idx, k_idx, weights, idx_scale, indices, head_sums, cnt, need_grad, ends,
                                      rows, kl, d_qi, d_ki, d_w, config=tiles_cfg)
@@ -291,7 +291,7 @@ def _indexer_kl(q_idx, k_idx, weights, idx_scale, indices, head_sums, counted, n
     if dense:
         rows = min(int(cfg0["DENSE_ROWS"]), _chunk_rows(n_q, n_keys * n_heads * k_idx.element_size(),
                                                         PDS_BUFFER_BYTES))
-        ends = _host_chunk_key_ends(row_hi, range(0, n_q, rows), rows, n_keys)
+        ends = _host_chunk_key_ends(row_hi, rows, n_keys)
         g_buf = torch.empty(max(1, max(ends) * rows * n_heads), dtype=k_idx.dtype, device=dev)
     else:
         rows = max(1, min(n_q, DET_BUFFER_BYTES // max(1, topk * d_i * 4))) if det else n_q

@@ -782,7 +782,7 @@ def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Opt
                                    or piece_rows < 1):
         raise ValueError(f"triton sparse_mla_bwd: BWD_CONFIG DENSE_PIECE_ROWS must be a positive int or None, got "
                          f"{piece_rows!r}")
-    pieces = _host_pieces(row_hi, range(0, n_q, rows), rows, n_keys, min(piece_rows or rows, rows))
+    pieces = _host_pieces(row_hi, rows, n_keys, min(piece_rows or rows, rows))
     zeros = cfg.get("ZEROS", "memset")
     if zeros not in ("memset", "restore", "auto"):
         raise ValueError(f"triton sparse_mla_bwd: unknown ZEROS {zeros!r} (memset, restore, auto)")
@@ -860,26 +860,29 @@ def mm_fp32_add_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += _mm_fp32(a, b)
 
 
-def _host_chunk_key_ends(row_hi: torch.Tensor, starts, rows: int, n_keys: int) -> list:
-    """Per query chunk: one past the largest key its rows may select, from the indexer's host row bounds."""
-    return [pieces[-1][2] for pieces in _host_pieces(row_hi, starts, rows, n_keys, rows)]
+def _host_chunk_key_ends(row_hi: torch.Tensor, rows: int, n_keys: int) -> list:
+    """Per query chunk of ``rows`` rows: one past the largest key its rows may select, from the indexer's host row
+    bounds."""
+    return [pieces[-1][2] for pieces in _host_pieces(row_hi, rows, n_keys, rows)]
 
 
-def _host_pieces(row_hi: torch.Tensor, starts, rows: int, n_keys: int, piece_rows: int) -> list:
-    """Per query chunk (rows [t0, t0 + rows) for t0 in starts): its rows cut in pieces of at most ``piece_rows``,
-    [(r0, r1, e), ...] with r0, r1 relative to t0 and e one past the largest key that a row of the piece or of an
-    earlier piece of the chunk may select (the indexer's host row bounds; a running maximum, so e never decreases
-    and the last piece's e is the chunk's key end)."""
+def _host_pieces(row_hi: torch.Tensor, rows: int, n_keys: int, piece_rows: int) -> list:
+    """Per query chunk (rows [t0, t0 + rows) for t0 in range(0, n_q, rows)): its rows cut in pieces of at most
+    ``piece_rows``, [(r0, r1, e), ...] with r0, r1 relative to t0 and e one past the largest key that a row of the
+    piece or of an earlier piece of the chunk may select (the indexer's host row bounds; a running maximum, so e never
+    decreases and the last piece's e is the chunk's key end).  A fixed number of host tensor operations whatever
+    the number of chunks (a backward at S 32768 plans up to hundreds)."""
     hi = row_hi.reshape(-1).to(torch.int64).clamp(-1, n_keys - 1)
     n_q = hi.numel()
+    n_chunks, per_chunk = -(-n_q // rows), -(-rows // piece_rows)
+    t = torch.arange(n_q)
+    piece = (t // rows) * per_chunk + (t % rows) // piece_rows
+    tops = torch.full((n_chunks * per_chunk,), -1, dtype=torch.int64).scatter_reduce_(0, piece, hi, "amax")
+    tops = (torch.cummax(tops.view(n_chunks, per_chunk), 1).values + 1).tolist()
     out = []
-    for t0 in starts:
-        n = min(rows, n_q - t0)
-        part = hi[t0:t0 + n]
-        pad = -n % piece_rows
-        tops = (torch.cat([part, part.new_full((pad,), -1)]) if pad else part).view(-1, piece_rows).amax(1)
-        tops = (torch.cummax(tops, 0).values + 1).tolist()
-        out.append([(r0, min(n, r0 + piece_rows), e) for r0, e in zip(range(0, n, piece_rows), tops)])
+    for c in range(n_chunks):
+        n = min(rows, n_q - c * rows)
+        out.append([(r0, min(n, r0 + piece_rows), tops[c][j]) for j, r0 in enumerate(range(0, n, piece_rows))])
     return out
 
 
