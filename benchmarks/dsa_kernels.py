@@ -238,7 +238,9 @@ def _dense_bwd_rows(p, out, lse, reps, add, match=None):
         variants += [(False, ", head sums, no dense prefix", hs, dict(DENSE_PREFIX=False))]
     if p.seq <= 8192:  # each chunk's products and memsets in pieces over their rows' keys (BWD_CONFIG DENSE_PIECE_ROWS)
         variants += [(False, f", head sums, {r}-row pieces", hs, dict(DENSE_PIECE_ROWS=r)) for r in (512, 256, 128)]
-        variants += [(True, ", head sums, 256-row pieces", hs, dict(DENSE_PIECE_ROWS=256))]
+        variants += [(True, ", head sums, 256-row pieces", hs, dict(DENSE_PIECE_ROWS=256)),
+                     (False, ", head sums, 256-row pieces, ZEROS restore", hs, dict(DENSE_PIECE_ROWS=256,
+                                                                                   ZEROS="restore"))]
     if p.seq <= 8192:  # query chunks of the dense formulation; the scattered stores' cost (a diagnostic)
         variants += [(False, f", head sums, {r}-row chunks", hs, dict(DENSE_ROWS=r)) for r in (512, 256)]
         variants += [(False, ", head sums, every step (causal padding computed)", hs, dict(bounded=False)),
