@@ -872,7 +872,7 @@ def _host_pieces(row_hi: torch.Tensor, rows: int, n_keys: int, piece_rows: int) 
     piece or of an earlier piece of the chunk may select (the indexer's host row bounds; a running maximum, so e never
     decreases and the last piece's e is the chunk's key end).  A fixed number of host tensor operations whatever
     the number of chunks (a backward at S 32768 plans up to hundreds)."""
-    hi = row_hi.reshape(-1).to(torch.int64).clamp(-1, n_keys - 1)
+    hi = row_hi.reshape(-1).to("cpu", torch.int64).clamp(-1, n_keys - 1)
     n_q = hi.numel()
     n_chunks, per_chunk = -(-n_q // rows), -(-rows // piece_rows)
     t = torch.arange(n_q)
