@@ -241,6 +241,10 @@ def _dense_bwd_rows(p, out, lse, reps, add, match=None):
         variants += [(True, ", head sums, 256-row pieces", hs, dict(DENSE_PIECE_ROWS=256)),
                      (False, ", head sums, 256-row pieces, ZEROS restore", hs, dict(DENSE_PIECE_ROWS=256,
                                                                                    ZEROS="restore"))]
+        # only the entries the kernel will not write zeroed (ZEROS "complement"), with and without pieces
+        variants += [(det, f", head sums, {name}ZEROS complement", hs, dict(ZEROS="complement", **over))
+                     for det in (False, True) for name, over in (("", {}), ("256-row pieces, ", dict(
+                         DENSE_PIECE_ROWS=256)))]
     if p.seq <= 8192:  # query chunks of the dense formulation; the scattered stores' cost (a diagnostic)
         variants += [(False, f", head sums, {r}-row chunks", hs, dict(DENSE_ROWS=r)) for r in (512, 256)]
         variants += [(False, ", head sums, every step (causal padding computed)", hs, dict(bounded=False)),
@@ -608,6 +612,7 @@ def main(argv=None):
             profile_dense_bwd(seq, log)
             if seq <= 8192:
                 profile_dense_bwd(seq, log, dict(DENSE_PIECE_ROWS=256))
+                profile_dense_bwd(seq, log, dict(DENSE_PIECE_ROWS=256, ZEROS="complement"))
     for tokens in args.moe_tokens:
         result["rows"] += bench_moe_permute(tokens, args.reps, log)
     log(f"total {time.time() - t0:.0f} s")

@@ -337,7 +337,8 @@ def test_gpu_dense_backward_real_shapes(layout, monkeypatch):
 @pytest.mark.parametrize("layout", ["causal", "packed"])
 def test_gpu_dense_backward_in_pieces_matches_the_reference(layout, monkeypatch):
     """BWD_CONFIG DENSE_PIECE_ROWS at GLM-5 shapes: the products and memsets (on the side stream: ZERO_AHEAD, and
-    with the kept buffer: ZEROS "restore") piece by piece over each piece's keys, chunk buffers NaN to start with
+    with the kept buffer: ZEROS "restore"; and ZEROS "complement", with and without pieces: only the unselected
+    entries zeroed) piece by piece over each piece's keys, chunk buffers NaN to start with
     (a product reading an entry nothing zeroed or wrote shows): dq, dkv, head sums against the fp32 reference and
     within a bf16 rounding of one piece per chunk, deterministic bitwise repeatable."""
     from test_ops_triton import gpu_sparse_problem
@@ -358,7 +359,8 @@ def test_gpu_dense_backward_in_pieces_matches_the_reference(layout, monkeypatch)
     for det in (False, True):
         whole = run(det)
         for cfg in (dict(DENSE_PIECE_ROWS=256), dict(DENSE_PIECE_ROWS=128, ZEROS="restore"),
-                    dict(DENSE_PIECE_ROWS=300, DENSE_ROWS=512)):
+                    dict(DENSE_PIECE_ROWS=300, DENSE_ROWS=512), dict(ZEROS="complement"),
+                    dict(DENSE_PIECE_ROWS=256, ZEROS="complement")):
             got = run(det, **cfg)
             for key, g, want in (("dq", got[0], pr.dq), ("dkv", got[1], pr.dkv)):
                 assert not g.isnan().any(), (key, cfg)

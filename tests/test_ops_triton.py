@@ -56,7 +56,8 @@ MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("p
                 ("cp", True, "dense_chunked_host_bounds"), ("empty_rows", True, "dense_host_bounds_restore"),
                 ("cp", False, "dense_chunked_host_bounds_restore"), ("packed", True, "dense_host_bounds_restore"),
                 ("packed", False, "dense_host_bounds_pieces"), ("cp", True, "dense_chunked_host_bounds_pieces"),
-                ("empty_rows", True, "dense_host_bounds_pieces_restore")]
+                ("empty_rows", True, "dense_host_bounds_pieces_restore"), ("packed", True, "dense_host_bounds_complement"),
+                ("cp", False, "dense_chunked_host_bounds_pieces_complement")]
 # indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block, form / d_k_idx path); top-k 8 / 16
 # / 12 below, so block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12). Paths
 # (tests/triton_interp_runner.KL_DK): "auto" without host row bounds (slot form: atomics / deterministic rows),
@@ -107,6 +108,11 @@ def build_cases():
             hs = (torch.rand(idx.shape, generator=g) + 0.1) * (idx >= 0)
             cases["kl_given_target"] = dict(kind="kl_given", q_idx=qi, k_idx=ki, weights=w, idx_scale=0.5,
                                             indices=idx, head_sums=hs)
+    # ZEROS "complement" on one 6-row chunk of 2 heads in pieces of 2 rows (key ends 4, 4, 9: a bound that falls
+    # is carried), rows selecting keys with -1 slots and one row without keys
+    cases["complement_zero"] = dict(kind="complement_zero", n_q=6, h=2, pieces=[[(0, 2, 4), (2, 4, 4), (4, 6, 9)]],
+                                    indices=torch.tensor([[0, 2, -1], [3, -1, 1], [1, -1, -1], [-1, -1, -1],
+                                                          [8, 0, 5], [7, 4, 2]], dtype=torch.int32))
     for name, topk in KL_AFTER_TOPK:  # our indexer's top-k, then the KL (integer inputs: exact scores)
         ks, qe, n_k = LAYOUTS[name]()
         qi, ki, w = int_inputs(ks.numel(), n_k, 4, 16, g, dtype=torch.float32)
@@ -174,6 +180,26 @@ def test_interp_sparse_mla_bwd_variants(interp, name, deterministic, variant):
     if variant.endswith("restore"):  # the kept buffer: all zero and clean after each backward
         for run in (got["first"], got):
             assert run["kept"] and all(zero and not dirty for zero, dirty in run["kept"]), run["kept"]
+
+
+@needs_triton
+def test_interp_complement_zeroing_touches_exactly_the_unselected_entries_the_products_read(interp):
+    """DensePlan ZEROS "complement" (triton_sparse_mla._zero_unselected_kernel): on a NaN buffer, the dS and P
+    entries of a [key, row x head] chunk matrix are zero exactly where a product reads (keys below the row's piece
+    end: 4 for rows 0-3, 9 for rows 4-5) and the row did not select the key; selected entries and everything past a
+    row's piece end stay as they were (NaN here: the kernel writes the former, nothing reads the latter)."""
+    cases, res = interp
+    c, got = cases["complement_zero"], res["complement_zero"]
+    n, h, kc = 6, 2, 9
+    ends = [4, 4, 4, 4, 9, 9]
+    for off in (0, got["p_off"]):
+        mat = got["buffer"][off:off + kc * n * h].view(kc, n, h)
+        for k in range(kc):
+            for r in range(n):
+                selected = k in c["indices"][r].tolist()
+                want_zero = k < ends[r] and not selected
+                assert bool((mat[k, r] == 0).all()) == want_zero and bool(mat[k, r].isnan().all()) != want_zero, (
+                    off, k, r)
 
 
 @needs_triton
@@ -401,7 +427,8 @@ def test_gpu_sparse_mla_bwd_never_synchronises_with_the_host():
     bounded = pr.idx.clone()
     host_windows.remember_row_ends(bounded, torch.arange(bounded.shape[0]))
     for det, cfg, idx in ((False, None, pr.idx), (True, None, pr.idx), (True, dict(DK="slots"), pr.idx),
-                          (False, dict(DK="slots"), pr.idx), (False, None, bounded), (True, None, bounded)):
+                          (False, dict(DK="slots"), pr.idx), (False, None, bounded), (True, None, bounded),
+                          (False, dict(ZEROS="complement", DENSE_PIECE_ROWS=256), bounded)):
         first = tsm.sparse_mla_bwd(pr.q, pr.kv, idx, out, lse, pr.d_out, None, pr.scale, DV, deterministic=det,
                                    config=cfg)  # compiles outside the checked region
         torch.cuda.synchronize()
@@ -485,8 +512,9 @@ def test_kept_zero_buffer_is_zeroed_again_after_a_plan_that_failed_midway(monkey
             plan = tsm.dense_plan(torch.zeros(n_keys, 2, 8), torch.zeros(n_keys, 8), idx, None,
                                   dict(DK="dense", ZEROS="auto"))
             assert (plan.indices is not None) == restored, (interpret, n_keys)
-    with pytest.raises(ValueError, match="'restore' runs a Triton kernel: it needs a CUDA GPU"):
-        tsm.dense_plan(torch.zeros(9, 2, 8), torch.zeros(9, 8), idx, None, dict(DK="dense", ZEROS="restore"))
+    for zeros in ("restore", "complement"):
+        with pytest.raises(ValueError, match=f"'{zeros}' runs a Triton kernel: it needs a CUDA GPU"):
+            tsm.dense_plan(torch.zeros(9, 2, 8), torch.zeros(9, 8), idx, None, dict(DK="dense", ZEROS=zeros))
     with pytest.raises(ValueError, match="unknown ZEROS 'sometimes'"):
         host_idx = torch.zeros(4, 2, dtype=torch.int32)
         from megatron_glm5.ops import host_windows

@@ -32,7 +32,10 @@ MLA_VARIANTS = {"one_kernel": dict(DK="in_kernel", SKIP_PAD=False), "slots": dic
                 "dense_chunked_host_bounds_restore": dict(DK="dense", ZEROS="restore"),
                 "dense_host_bounds_pieces": dict(DK="dense", ZEROS="memset", DENSE_PIECE_ROWS=7),
                 "dense_chunked_host_bounds_pieces": dict(DK="dense", ZEROS="memset", DENSE_PIECE_ROWS=2),
-                "dense_host_bounds_pieces_restore": dict(DK="dense", ZEROS="restore", DENSE_PIECE_ROWS=5)}
+                "dense_host_bounds_pieces_restore": dict(DK="dense", ZEROS="restore", DENSE_PIECE_ROWS=5),
+                "dense_host_bounds_complement": dict(DK="dense", ZEROS="complement"),
+                "dense_chunked_host_bounds_pieces_complement": dict(DK="dense", ZEROS="complement",
+                                                                    DENSE_PIECE_ROWS=2)}
 
 
 def run_mla(c):
@@ -178,7 +181,18 @@ def run_kl_after_topk(c):
     return out
 
 
-RUNNERS = {"topk": run_topk, "mla": run_mla, "kl": run_kl, "kl_given": run_kl_given, "backend": run_backend,
+def run_complement_zero(c):
+    """One chunk of a DensePlan with ZEROS "complement" on a NaN buffer: the buffer after views(0) (which zeroes),
+    for the test to check entry by entry."""
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    tsm._chunk_buffer = lambda size, dtype, device: torch.full((size,), float("nan"), dtype=dtype, device=device)
+    plan = tsm.DensePlan(c["n_q"], c["h"], c["n_q"], c["pieces"], torch.float32, "cpu", complement=c["indices"])
+    plan.views(0)
+    return dict(buffer=plan.buffers[0].clone(), p_off=plan.p_off)
+
+
+RUNNERS = {"complement_zero": run_complement_zero, "topk": run_topk, "mla": run_mla, "kl": run_kl, "kl_given": run_kl_given, "backend": run_backend,
            "kl_after_topk": run_kl_after_topk}
 
 

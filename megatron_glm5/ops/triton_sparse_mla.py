@@ -107,7 +107,8 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
 # plans): "memset" -- each chunk's matrices zeroed before its kernel (ZERO_AHEAD's way); "restore" -- one buffer per
 # (device, dtype, stream) kept zero between backwards: after a chunk's GEMMs, _restore_zeros_kernel zeroes only the
 # entries its kernel wrote (the selected keys' rows), so nothing is zeroed that was not written (DensePlan);
-# "auto" -- "restore" where n_keys / topk exceeds ZEROS_RESTORE_RATIO (the selected entries a small part of the
+# "complement" (opt-in) -- each chunk's matrices zeroed only where the kernel will not write (_zero_unselected_kernel,
+# from a byte map of the selected keys), so no entry is written twice; "auto" -- "restore" where n_keys / topk exceeds ZEROS_RESTORE_RATIO (the selected entries a small part of the
 # matrices), else "memset".  The budgets (DET_BUFFER_BYTES, PDS_BUFFER_BYTES), DENSE_KEY_RATIO and
 # ZEROS_RESTORE_RATIO live in ops/sparse_bwd_budget.py, which the memory planner reads too.  DENSE_PREFIX (read by
 # our TileLang backward, dense_prefix_split): with the indexer's host row bounds and DK "auto", the dense formulation
@@ -597,6 +598,23 @@ def _restore_zeros_kernel(IDX, PDS, stride_it, t0, kc, topk, dense_cols, p_off, 
     tl.store(ptr + p_off, zero, mask=m)
 
 
+@triton.jit
+def _zero_unselected_kernel(SEL, PDS, stride_sel, k_lo, k_hi, r_lo, n_rows, dense_cols, p_off, n_heads,
+                            BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, HP: tl.constexpr):
+    """Zero the dS and P entries (P at p_off) of keys [k_lo, k_hi) x chunk rows [r_lo, n_rows) that the row did not
+    select (SEL[row, key] == 0): of the entries the products read, those the backward's kernel does not write."""
+    keys = k_lo + tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows = r_lo + tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    inside = (keys < k_hi)[:, None] & (rows < n_rows)[None, :]
+    sel = tl.load(SEL + rows[None, :].to(tl.int64) * stride_sel + keys[:, None], mask=inside, other=1)
+    heads = tl.arange(0, HP)
+    m = (inside & (sel == 0))[:, :, None] & (heads < n_heads)[None, None, :]
+    ptr = PDS + keys[:, None, None].to(tl.int64) * dense_cols + (rows * n_heads)[None, :, None] + heads[None, None, :]
+    zero = tl.zeros([BLOCK_K, BLOCK_R, HP], PDS.dtype.element_ty)
+    tl.store(ptr, zero, mask=m)
+    tl.store(ptr + p_off, zero, mask=m)
+
+
 class _KeptZero:
     """The buffers that ZEROS "restore" keeps all-zero between backwards: one per (device, dtype, stream), grown
     (a fresh torch.zeros) when a plan needs more, never shrunk; ``dirty`` while a plan's kernel may have written
@@ -652,18 +670,25 @@ class DensePlan:
     waited for by the current stream before the buffers' next use and before the plan's end, so the caching
     allocator may hand the buffers on as usual.  Without it: one buffer, zeroed in stream order.
 
+    ``complement`` (the top-k list; BWD_CONFIG ZEROS "complement"): where the memsets would zero a block, only its
+    entries at keys the row did not select are zeroed (``_zero_unselected_kernel``, from a [rows, key end + 1] byte
+    map of the selected keys built per chunk on the device; one map per chunk buffer, so the side stream's map of
+    chunk i + 1 never overwrites chunk i's) -- the kernel writes the rest, so no entry is written twice.
+
     ``restore`` (the top-k list whose entries the kernels scatter; BWD_CONFIG ZEROS "restore"): one buffer kept
     zero between backwards (``_KeptZero``, per device, dtype and stream); views(i) zeroes nothing, and
     products(...) ends chunk i by zeroing the entries at its rows' selected keys again (``_restore_zeros_kernel``,
     in stream order after the GEMMs that read them) -- the written entries only, not the whole matrices."""
 
     def __init__(self, n_q: int, h: int, rows: int, pieces: list, dtype: torch.dtype, device,
-                 zero_ahead: bool = False, restore: Optional[torch.Tensor] = None):
+                 zero_ahead: bool = False, restore: Optional[torch.Tensor] = None,
+                 complement: Optional[torch.Tensor] = None):
         self.n_q, self.h, self.rows, self.pieces = n_q, h, rows, pieces
         self.key_ends = [p[-1][2] for p in pieces]
         self.starts = list(range(0, n_q, rows))
         self.p_off = max(self.key_ends, default=0) * rows * h
         self.indices = restore
+        self.selected = complement
         self.ahead = (restore is None and bool(zero_ahead) and torch.device(device).type == "cuda"
                       and len(self.starts) > 1)
         size = max(1, 2 * self.p_off)
@@ -674,6 +699,9 @@ class DensePlan:
             self.buffers = [_chunk_buffer(size, dtype, device) for _ in range(2 if self.ahead else 1)]
         self._side = torch.cuda.Stream(device) if self.ahead else None
         self._zeroed = {}  # chunk -> the side stream's event after zeroing it
+        # ZEROS "complement": per chunk buffer, the [rows, key end + 1] byte map of the selected keys
+        self._maps = ([torch.empty(rows * (max(self.key_ends, default=0) + 1), dtype=torch.uint8, device=device)
+                       for _ in self.buffers] if complement is not None else None)
 
     def buffer(self, i: int) -> torch.Tensor:
         """Chunk i's buffer (dS at 0, P at p_off)."""
@@ -687,14 +715,38 @@ class DensePlan:
         return buf[:kc * cols].view(kc, cols), buf[self.p_off:self.p_off + kc * cols].view(kc, cols)
 
     def _zero(self, i: int) -> None:
-        """Zero what chunk i's kernel may write and its products read: per piece, the keys from the previous
-        piece's end to its own in the columns of its rows and the later ones' (one piece: both whole matrices)."""
+        """Zero what chunk i's products read and its kernel does not write: per piece, the keys from the previous
+        piece's end to its own in the columns of its rows and the later ones' (one piece: both whole matrices) --
+        all of it, or (ZEROS "complement") the entries of keys the row did not select."""
+        sel = self._selected_map(i) if self._maps is not None else None
         lo = 0
         for r0, _, e in self.pieces[i]:
             if e > lo:
-                for m in self._region(i):
-                    _zero_block_(m[lo:e, r0 * self.h:])
+                if sel is None:
+                    for m in self._region(i):
+                        _zero_block_(m[lo:e, r0 * self.h:])
+                else:
+                    self._zero_unselected(i, sel, lo, e, r0)
                 lo = e
+
+    def _selected_map(self, i: int) -> torch.Tensor:
+        """Chunk i's [n, kc + 1] uint8 map: 1 where row r selected key k (unused slots and keys past kc land in
+        the last column); built on the device, no host synchronisation."""
+        t0, kc = self.starts[i], self.key_ends[i]
+        n = min(self.rows, self.n_q - t0)
+        sel = self._maps[i % len(self._maps)][:n * (kc + 1)].view(n, kc + 1)
+        sel.zero_()
+        idx = self.selected[t0:t0 + n].long()
+        sel.scatter_(1, torch.where((idx >= 0) & (idx < kc), idx, kc), 1)
+        return sel
+
+    def _zero_unselected(self, i: int, sel: torch.Tensor, lo: int, e: int, r0: int) -> None:
+        """Zero keys [lo, e) x chunk rows [r0, n) of chunk i's matrices where the row did not select the key."""
+        n = sel.shape[0]
+        block_k, block_r = 16, 8
+        _zero_unselected_kernel[(triton.cdiv(e - lo, block_k), triton.cdiv(n - r0, block_r))](
+            sel, self.buffer(i), sel.stride(0), lo, e, r0, n, n * self.h, self.p_off, self.h,
+            BLOCK_K=block_k, BLOCK_R=block_r, HP=max(16, triton.next_power_of_2(self.h)), num_warps=4)
 
     def views(self, i: int):
         t0, kc = self.starts[i], self.key_ends[i]
@@ -784,16 +836,18 @@ def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Opt
                          f"{piece_rows!r}")
     pieces = _host_pieces(row_hi, rows, n_keys, min(piece_rows or rows, rows))
     zeros = cfg.get("ZEROS", "memset")
-    if zeros not in ("memset", "restore", "auto"):
-        raise ValueError(f"triton sparse_mla_bwd: unknown ZEROS {zeros!r} (memset, restore, auto)")
-    runs_kernels = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"  # the restore is a Triton kernel
+    if zeros not in ("memset", "restore", "complement", "auto"):
+        raise ValueError(f"triton sparse_mla_bwd: unknown ZEROS {zeros!r} (memset, restore, complement, auto)")
+    runs_kernels = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"  # restore / complement: Triton kernels
     if zeros == "auto":
         zeros = "restore" if runs_kernels and auto_restores(n_keys, topk) else "memset"
-    elif zeros == "restore" and not runs_kernels:
-        raise ValueError("triton sparse_mla_bwd: ZEROS 'restore' runs a Triton kernel: it needs a CUDA GPU (or "
-                         "Triton's interpreter, TRITON_INTERPRET=1)")
+    elif zeros in ("restore", "complement") and not runs_kernels:
+        raise ValueError(f"triton sparse_mla_bwd: ZEROS {zeros!r} runs a Triton kernel: it needs a CUDA GPU (or "
+                         f"Triton's interpreter, TRITON_INTERPRET=1)")
+    listed = indices.contiguous() if zeros in ("restore", "complement") else None
     return DensePlan(n_q, h, rows, pieces, q.dtype, q.device, zero_ahead=bool(cfg.get("ZERO_AHEAD", False)),
-                     restore=indices.contiguous() if zeros == "restore" else None)
+                     restore=listed if zeros == "restore" else None,
+                     complement=listed if zeros == "complement" else None)
 
 
 def dense_dq_mm(rows: torch.Tensor, ds: torch.Tensor, kv: torch.Tensor) -> None:
