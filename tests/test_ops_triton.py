@@ -808,15 +808,19 @@ def test_head_dims_below_the_dot_minimum_fall_back_on_a_gpu(monkeypatch):
     assert triton_backend._kernel_dims_reason(d_v=16, d_rope=8) is None  # the interpreter runs tiny shapes
 
 
-def _compile_for_sm90a(fn, signature: dict, constexprs: dict, cfg: dict):
-    """Triton's own compiler and ptxas, no GPU: (the PTX, the shared-memory bytes, ptxas's resource report)."""
+def _compile_for_sm90a(fn, signature: dict, constexprs: dict, cfg: dict, divisible=()):
+    """Triton's own compiler and ptxas, no GPU: (the PTX, the shared-memory bytes, ptxas's resource report).
+    ``divisible``: the arguments to compile as multiples of 16 (what Triton specialises on at a launch whose pointers
+    and integers are)."""
     import os
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=fn, signature=dict(signature, **{k: "constexpr" for k in constexprs}), constexprs=constexprs)
+    names = list(signature)
+    src = ASTSource(fn=fn, signature=dict(signature, **{k: "constexpr" for k in constexprs}), constexprs=constexprs,
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in divisible})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"],
                                                                           num_stages=cfg["num_stages"]))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -856,3 +860,27 @@ def test_kl_tile_kernel_lowers_to_wgmma_for_sm90a(need_grad):
     assert shared <= 227 * 1024, shared
     if report is not None:
         assert "registers" in report, report
+
+
+@needs_triton
+def test_zeroing_kernels_store_16_byte_vectors_for_sm90a():
+    """The dense plan's zeroing kernels (ZEROS "restore": _restore_zeros_kernel; "complement":
+    _zero_unselected_kernel) at 64 heads in bf16, compiled for the H200 without a GPU, with the pointers and sizes
+    multiples of 16 as at GLM-5 shapes: every global store is a 16-byte vector (a head row of 128 bytes in eight),
+    not element by element."""
+    import re
+
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    cases = (
+        (tsm._restore_zeros_kernel, {"IDX": "*i32", "PDS": "*bf16", "stride_it": "i32", "t0": "i32", "kc": "i32",
+                                     "topk": "i32", "dense_cols": "i32", "p_off": "i32", "n_heads": "i32"},
+         {"BLOCK_S": 64, "HP": 64}, ("IDX", "PDS", "stride_it", "dense_cols", "p_off", "n_heads")),
+        (tsm._zero_unselected_kernel, {"SEL": "*u8", "PDS": "*bf16", "stride_sel": "i32", "k_lo": "i32",
+                                       "k_hi": "i32", "r_lo": "i32", "n_rows": "i32", "dense_cols": "i32",
+                                       "p_off": "i32", "n_heads": "i32"},
+         {"BLOCK_K": 16, "BLOCK_R": 8, "HP": 64}, ("SEL", "PDS", "dense_cols", "p_off", "n_heads")))
+    for fn, sig, const, divisible in cases:
+        ptx, _, _ = _compile_for_sm90a(fn, sig, const, dict(num_warps=4, num_stages=1), divisible)
+        stores = re.findall(r"st\.global[.\w]*", ptx)
+        assert stores and set(stores) == {"st.global.v4.b32"}, (fn.__name__, sorted(set(stores)))
