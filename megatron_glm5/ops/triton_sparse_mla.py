@@ -654,7 +654,8 @@ class DensePlan:
     """The "dense" formulation with host-known key ends: query chunks of ``rows`` (chunk i starts at starts[i],
     its keys all below key_ends[i]) and the buffers for the [key, query x head] dS and P matrices of a chunk (P at
     p_off of a buffer).  ``views(i)``, called for i = 0, 1, ... in order: chunk i's (t0, n, kc, ds, p), ds / p
-    [kc, n * h] zeroed wherever a row of the chunk may write or a product reads; ``products(...)``: its cuBLAS GEMMs.
+    [kc, n * h] zero at every entry a product reads that the kernel will not write (and, but with "complement", at
+    those it will); ``products(...)``: its cuBLAS GEMMs.
     The Triton backward's kernel 1 and the tilelang backend's scores kernel both fill it.
 
     ``pieces`` (per chunk, from _host_pieces; BWD_CONFIG DENSE_PIECE_ROWS): the chunk's rows cut in pieces, each
