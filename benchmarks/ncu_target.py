@@ -4,8 +4,9 @@
         python3 benchmarks/ncu_target.py --op fwd --seq 32768 [--config staggered] [--unused]
 
 Ops: ``fwd`` -- our warp-specialised TileLang forward in one of the configurations that benchmarks/dsa_kernels.py
-times in rounds (--config: default, whole blocks, L2 hints, staggered); ``--unused`` gives it every top-k slot
-unused (nothing gathered after the first block pair, every product still run: its counters without the gathers);
+times in rounds (--config: default, whole blocks, L2 hints, bounded, staggered); ``--unused`` gives it every top-k
+slot unused (nothing gathered after the first block pair, every product still run: its counters without the
+gathers; not with bounded, which then runs no step);
 ``bwd`` -- the ``--attn tilelang`` backward (our scores kernel + cuBLAS; --pieces N: BWD_CONFIG DENSE_PIECE_ROWS).
 The problem is dsa_kernels.Problem's (64 heads, d_qk 576, d_v 512, top-k 2048, causal top-k from our Triton
 indexer, bf16); the op runs twice before the profiled call (compiles, warms up) outside the profiled range.
@@ -40,6 +41,8 @@ def parse(argv=None):
         names = forward_configs()
         if args.config not in names:
             ap.error(f"--config {args.config!r}: one of {', '.join(names)}")
+        if args.unused and names[args.config].get("bounded"):
+            ap.error("--unused: bounded runs no step with every slot unused")
     elif args.config != "default" or args.unused:
         ap.error("--config and --unused are the forward's (--op fwd)")
     if args.pieces is not None and (args.op != "bwd" or args.pieces < 1):
