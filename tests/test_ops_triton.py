@@ -475,7 +475,7 @@ def dense_zero_ahead_runs(backward, rows: int = 256):
     cfg = dict(DENSE_ROWS=rows, ZEROS="restore")
     for prob, ix in ((other, idx_o), (pr, idx), (pr, idx)):
         plan = tsm.dense_plan(prob.q, prob.kv, ix, None, cfg)
-        assert plan is not None and plan.indices is not None and not plan.ahead
+        assert plan is not None and plan.zeros == "restore" and not plan.ahead
         res = backward(prob, ix, cfg)
         kept = [(bool(t.eq(0).all()), dirty) for t, dirty in tsm._kept_zero.buffers.values()]
         assert kept and all(zero and not dirty for zero, dirty in kept), kept
@@ -511,7 +511,7 @@ def test_kept_zero_buffer_is_zeroed_again_after_a_plan_that_failed_midway(monkey
             host_windows.remember_row_ends(idx, torch.zeros(n_keys, dtype=torch.int64))
             plan = tsm.dense_plan(torch.zeros(n_keys, 2, 8), torch.zeros(n_keys, 8), idx, None,
                                   dict(DK="dense", ZEROS="auto"))
-            assert (plan.indices is not None) == restored, (interpret, n_keys)
+            assert (plan.zeros == "restore") == restored, (interpret, n_keys)
     for zeros in ("restore", "complement"):
         with pytest.raises(ValueError, match=f"'{zeros}' runs a Triton kernel: it needs a CUDA GPU"):
             tsm.dense_plan(torch.zeros(9, 2, 8), torch.zeros(9, 8), idx, None, dict(DK="dense", ZEROS=zeros))

@@ -187,7 +187,8 @@ def run_complement_zero(c):
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
     tsm._chunk_buffer = lambda size, dtype, device: torch.full((size,), float("nan"), dtype=dtype, device=device)
-    plan = tsm.DensePlan(c["n_q"], c["h"], c["n_q"], c["pieces"], torch.float32, "cpu", complement=c["indices"])
+    plan = tsm.DensePlan(c["n_q"], c["h"], c["n_q"], c["pieces"], torch.float32, "cpu", zeros="complement",
+                         indices=c["indices"])
     plan.views(0)
     return dict(buffer=plan.buffers[0].clone(), p_off=plan.p_off)
 

@@ -671,29 +671,30 @@ class DensePlan:
     waited for by the current stream before the buffers' next use and before the plan's end, so the caching
     allocator may hand the buffers on as usual.  Without it: one buffer, zeroed in stream order.
 
-    ``complement`` (the top-k list; BWD_CONFIG ZEROS "complement"): where the memsets would zero a block, only its
-    entries at keys the row did not select are zeroed (``_zero_unselected_kernel``, from a [rows, key end + 1] byte
-    map of the selected keys built per chunk on the device; one map per chunk buffer, so the side stream's map of
-    chunk i + 1 never overwrites chunk i's) -- the kernel writes the rest, so no entry is written twice.
+    ``zeros`` (BWD_CONFIG ZEROS, "auto" resolved; ``indices``: the top-k list, for "restore" and "complement"):
+    "memset" zeroes as above. "complement": where the memsets would zero a block, only its entries at keys the row
+    did not select are zeroed (``_zero_unselected_kernel``, from a [rows, key end + 1] byte map of the selected keys
+    built per chunk on the device; one map per chunk buffer, so the side stream's map of chunk i + 1 never
+    overwrites chunk i's) -- the kernel writes the rest, so no entry is written twice.
 
-    ``restore`` (the top-k list whose entries the kernels scatter; BWD_CONFIG ZEROS "restore"): one buffer kept
-    zero between backwards (``_KeptZero``, per device, dtype and stream); views(i) zeroes nothing, and
-    products(...) ends chunk i by zeroing the entries at its rows' selected keys again (``_restore_zeros_kernel``,
-    in stream order after the GEMMs that read them) -- the written entries only, not the whole matrices."""
+    "restore": one buffer kept zero between backwards (``_KeptZero``, per device, dtype and stream); views(i) zeroes
+    nothing, and products(...) ends chunk i by zeroing the entries at its rows' selected keys again
+    (``_restore_zeros_kernel``, in stream order after the GEMMs that read them) -- the written entries only, not the
+    whole matrices."""
 
     def __init__(self, n_q: int, h: int, rows: int, pieces: list, dtype: torch.dtype, device,
-                 zero_ahead: bool = False, restore: Optional[torch.Tensor] = None,
-                 complement: Optional[torch.Tensor] = None):
+                 zero_ahead: bool = False, zeros: str = "memset", indices: Optional[torch.Tensor] = None):
+        if zeros not in ("memset", "restore", "complement") or (zeros != "memset" and indices is None):
+            raise ValueError(f"DensePlan: zeros {zeros!r} (memset; restore / complement with the top-k list)")
         self.n_q, self.h, self.rows, self.pieces = n_q, h, rows, pieces
         self.key_ends = [p[-1][2] for p in pieces]
         self.starts = list(range(0, n_q, rows))
         self.p_off = max(self.key_ends, default=0) * rows * h
-        self.indices = restore
-        self.selected = complement
-        self.ahead = (restore is None and bool(zero_ahead) and torch.device(device).type == "cuda"
+        self.zeros, self.indices = zeros, indices
+        self.ahead = (zeros != "restore" and bool(zero_ahead) and torch.device(device).type == "cuda"
                       and len(self.starts) > 1)
         size = max(1, 2 * self.p_off)
-        if restore is not None:
+        if zeros == "restore":
             self._kept = _kept_zero.take(size, dtype, device)
             self.buffers = [self._kept[0]]
         else:
@@ -702,7 +703,7 @@ class DensePlan:
         self._zeroed = {}  # chunk -> the side stream's event after zeroing it
         # ZEROS "complement": per chunk buffer, the [rows, key end + 1] byte map of the selected keys
         self._maps = ([torch.empty(rows * (max(self.key_ends, default=0) + 1), dtype=torch.uint8, device=device)
-                       for _ in self.buffers] if complement is not None else None)
+                       for _ in self.buffers] if zeros == "complement" else None)
 
     def buffer(self, i: int) -> torch.Tensor:
         """Chunk i's buffer (dS at 0, P at p_off)."""
@@ -737,7 +738,7 @@ class DensePlan:
         n = min(self.rows, self.n_q - t0)
         sel = self._maps[i % len(self._maps)][:n * (kc + 1)].view(n, kc + 1)
         sel.zero_()
-        idx = self.selected[t0:t0 + n].long()
+        idx = self.indices[t0:t0 + n].long()
         sel.scatter_(1, torch.where((idx >= 0) & (idx < kc), idx, kc), 1)
         return sel
 
@@ -752,7 +753,7 @@ class DensePlan:
     def views(self, i: int):
         t0, kc = self.starts[i], self.key_ends[i]
         n = min(self.rows, self.n_q - t0)
-        if self.indices is not None:  # kept zero: the kernel may now write entries not yet restored
+        if self.zeros == "restore":  # kept zero: the kernel may now write entries not yet restored
             self._kept[1] = True
         elif self.ahead:
             main = torch.cuda.current_stream(self.buffer(i).device)
@@ -784,7 +785,7 @@ class DensePlan:
         _dense_piece_products(dkv, dq[t0:t0 + n] if with_dq else None, ds, p, self.pieces[i],
                               q[t0:t0 + n].reshape(n * h, -1), d_out[t0:t0 + n].reshape(n * h, -1), kv, d_v, h,
                               with_dq)
-        if self.indices is not None:
+        if self.zeros == "restore":
             self._restore(self.buffer(i), kc, n, t0)
 
     def _restore(self, buf, kc: int, n: int, t0: int) -> None:
@@ -845,10 +846,8 @@ def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Opt
     elif zeros in ("restore", "complement") and not runs_kernels:
         raise ValueError(f"triton sparse_mla_bwd: ZEROS {zeros!r} runs a Triton kernel: it needs a CUDA GPU (or "
                          f"Triton's interpreter, TRITON_INTERPRET=1)")
-    listed = indices.contiguous() if zeros in ("restore", "complement") else None
     return DensePlan(n_q, h, rows, pieces, q.dtype, q.device, zero_ahead=bool(cfg.get("ZERO_AHEAD", False)),
-                     restore=listed if zeros == "restore" else None,
-                     complement=listed if zeros == "complement" else None)
+                     zeros=zeros, indices=indices.contiguous() if zeros != "memset" else None)
 
 
 def dense_dq_mm(rows: torch.Tensor, ds: torch.Tensor, kv: torch.Tensor) -> None:
