@@ -238,6 +238,9 @@ def test_pieces_take_a_running_maximum_and_the_setting_is_checked():
             tsm.dense_plan(torch.zeros(4, 2, 8), torch.zeros(4, 8), idx, None, dict(DK="dense", DENSE_PIECE_ROWS=bad))
     plan = tsm.dense_plan(torch.zeros(4, 2, 8), torch.zeros(4, 8), idx, None, dict(DK="dense", DENSE_PIECE_ROWS=64))
     assert plan.pieces == [[(0, 4, 1)]]  # at most the chunk
+    for zeros in ("restore", "complement", "sometimes"):  # the plan's zeroing: a mode, with the list where it needs one
+        with pytest.raises(ValueError, match=f"DensePlan: zeros '{zeros}'"):
+            tsm.DensePlan(4, 2, 4, plan.pieces, torch.float32, "cpu", zeros=zeros)
 
 
 def test_wrapper_without_head_sums_passes_a_placeholder(monkeypatch):
