@@ -56,7 +56,8 @@ MLA_VARIANTS = [("packed", False, "one_kernel"), ("cp", True, "one_kernel"), ("p
                 ("cp", True, "dense_chunked_host_bounds"), ("empty_rows", True, "dense_host_bounds_restore"),
                 ("cp", False, "dense_chunked_host_bounds_restore"), ("packed", True, "dense_host_bounds_restore"),
                 ("packed", False, "dense_host_bounds_pieces"), ("cp", True, "dense_chunked_host_bounds_pieces"),
-                ("empty_rows", True, "dense_host_bounds_pieces_restore"), ("packed", True, "dense_host_bounds_complement"),
+                ("empty_rows", True, "dense_host_bounds_pieces_restore"),
+                ("packed", True, "dense_host_bounds_complement"),
                 ("cp", False, "dense_chunked_host_bounds_pieces_complement")]
 # indexer KL: (layout, deterministic d_k_idx, the forward's lse passed, key block, form / d_k_idx path); top-k 8 / 16
 # / 12 below, so block 8 gives several blocks (a partial one at 12) and block 16 one (partial at 8 and 12). Paths

@@ -193,8 +193,8 @@ def run_complement_zero(c):
     return dict(buffer=plan.buffers[0].clone(), p_off=plan.p_off)
 
 
-RUNNERS = {"complement_zero": run_complement_zero, "topk": run_topk, "mla": run_mla, "kl": run_kl, "kl_given": run_kl_given, "backend": run_backend,
-           "kl_after_topk": run_kl_after_topk}
+RUNNERS = {"complement_zero": run_complement_zero, "topk": run_topk, "mla": run_mla, "kl": run_kl,
+           "kl_given": run_kl_given, "backend": run_backend, "kl_after_topk": run_kl_after_topk}
 
 
 def main(cases_path, results_path):

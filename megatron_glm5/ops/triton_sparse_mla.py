@@ -108,8 +108,8 @@ BWD_CONFIG = dict(BLOCK_N=64, H_SPLIT=1, num_warps=8, num_stages=1, DK="auto", S
 # (device, dtype, stream) kept zero between backwards: after a chunk's GEMMs, _restore_zeros_kernel zeroes only the
 # entries its kernel wrote (the selected keys' rows), so nothing is zeroed that was not written (DensePlan);
 # "complement" (opt-in) -- each chunk's matrices zeroed only where the kernel will not write (_zero_unselected_kernel,
-# from a byte map of the selected keys), so no entry is written twice; "auto" -- "restore" where n_keys / topk exceeds ZEROS_RESTORE_RATIO (the selected entries a small part of the
-# matrices), else "memset".  The budgets (DET_BUFFER_BYTES, PDS_BUFFER_BYTES), DENSE_KEY_RATIO and
+# from a byte map of the selected keys), so no entry is written twice; "auto" -- "restore" where n_keys / topk
+# exceeds ZEROS_RESTORE_RATIO (the selected entries a small part of the matrices), else "memset".  The budgets (DET_BUFFER_BYTES, PDS_BUFFER_BYTES), DENSE_KEY_RATIO and
 # ZEROS_RESTORE_RATIO live in ops/sparse_bwd_budget.py, which the memory planner reads too.  DENSE_PREFIX (read by
 # our TileLang backward, dense_prefix_split): with the indexer's host row bounds and DK "auto", the dense formulation
 # for the leading rows whose last key is below PREFIX_KEY_RATIO x topk and "slots" for the rest (dense_prefix_rows);
@@ -721,11 +721,12 @@ class DensePlan:
         piece's end to its own in the columns of its rows and the later ones' (one piece: both whole matrices) --
         all of it, or (ZEROS "complement") the entries of keys the row did not select."""
         sel = self._selected_map(i) if self._maps is not None else None
+        mats = self._region(i)
         lo = 0
         for r0, _, e in self.pieces[i]:
             if e > lo:
                 if sel is None:
-                    for m in self._region(i):
+                    for m in mats:
                         _zero_block_(m[lo:e, r0 * self.h:])
                 else:
                     self._zero_unselected(i, sel, lo, e, r0)
