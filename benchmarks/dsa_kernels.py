@@ -29,7 +29,7 @@ from statistics import median  # the rounds' median (interleaved_ms), the profil
 
 import torch
 
-from cuda_timing import median_ms  # benchmarks/, the script's folder
+from cuda_timing import median_ms, queued_ms  # benchmarks/, the script's folder
 
 H, DQK, DV, TOPK, HI, DI = 64, 576, 512, 2048, 32, 128
 # the ceiling the TFLOP/s rows are compared with: a bf16 8192^3 torch.matmul measured on the H200
@@ -273,9 +273,12 @@ def _dense_bwd_rows(p, out, lse, reps, add, match=None):
     print(f"dkv sums in cuBLAS's epilogue (torch.addmm into fp32): {tsm._addmm_into_fp32(torch.bfloat16)}")
 
 
-def profile_dense_bwd(seq, log, config=None):
+def profile_dense_bwd(seq, log, config=None, host_top=0):
     """GPU time per kernel of one ``--attn tilelang`` backward (our scores kernel + cuBLAS) at ``seq``, from the
-    torch profiler over 3 calls after a warm-up: where its time goes."""
+    torch profiler over 3 calls after a warm-up: where its time goes; then its wall time from an idle GPU (as the
+    benchmark rows time it) and with the host ahead (cuda_timing.queued_ms: the GPU's own time, gaps included), and
+    the host's issue time -- the difference of the two walls is what waiting for the host costs.  ``host_top``: also
+    the host's cProfile, its top functions (benchmarks/host_profile.py)."""
     from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
     from megatron_glm5.ops import tilelang_sparse_mla_ws as tlws
 
@@ -314,6 +317,28 @@ def profile_dense_bwd(seq, log, config=None):
         wall.append(start.elapsed_time(end))
     log(f"  {median(wall):8.3f}  wall (CUDA events, median of 5); the host took "
         f"{median(host):.3f} ms to issue it")
+    busy = _busy_gpu(2 * median(host) + 5.0)
+    gpu, issue, late = queued_ms(run, busy, 5, warmup=1)
+    log(f"  {gpu:8.3f}  wall with the host ahead (issued behind {busy.ms:.1f} ms of queued matmuls, median of 5; the "
+        f"host took {issue:.3f} ms){f'; {late} of 5 runs not queued' if late else ''}")
+    if host_top:
+        from host_profile import host_profile
+
+        host_profile(run, 5, host_top, log, busy)
+
+
+def _busy_gpu(ms: float):
+    """A callable that queues about ``ms`` milliseconds of bf16 matmuls (its ``ms``: the time measured for them): the
+    work the host issues a call behind in cuda_timing.queued_ms."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    one = median_ms(lambda: a @ a, 5)
+    n = max(1, int(ms / max(one, 1e-3)) + 1)
+
+    def busy():
+        for _ in range(n):
+            a @ a
+    busy.ms = n * one
+    return busy
 
 
 def load_baseline(path):
@@ -570,7 +595,10 @@ def main(argv=None):
                          "with every slot unused (nothing gathered after the first block pair: what the gathers "
                          "cost), and FlashMLA's forward when it is built here")
     ap.add_argument("--profile-bwd", action="store_true",
-                    help="also print where our TileLang backward's GPU time goes, kernel by kernel (torch profiler)")
+                    help="also print where our TileLang backward's GPU time goes, kernel by kernel (torch profiler), "
+                         "its wall time from an idle GPU and with the host ahead, and the host's issue time")
+    ap.add_argument("--profile-bwd-host", type=int, default=0, metavar="N",
+                    help="with --profile-bwd: also the host's cProfile of the default backward, its top N functions")
     ap.add_argument("--bwd-variants", default=None,
                     help="comma-separated names of BWD_VARIANTS to time (default: all)")
     ap.add_argument("--dense-match", default=None, metavar="REGEX",
@@ -586,6 +614,8 @@ def main(argv=None):
     ap.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS,
                     help="the GPU's measured bf16 matmul TFLOP/s, for the %% of peak column (default: the H200's)")
     args = ap.parse_args(argv)
+    if args.profile_bwd_host and not args.profile_bwd or args.profile_bwd_host < 0:
+        ap.error(f"--profile-bwd-host {args.profile_bwd_host}: a positive number of functions, with --profile-bwd")
     if not torch.cuda.is_available():
         sys.exit("benchmarks/dsa_kernels.py needs a CUDA GPU")
 
@@ -610,7 +640,7 @@ def main(argv=None):
                                 args.tilelang_examples, args.bwd_only, variants, baseline, args.dense_match,
                                 args.rounds, args.fwd_only)
         if args.profile_bwd:
-            profile_dense_bwd(seq, log)
+            profile_dense_bwd(seq, log, host_top=args.profile_bwd_host)
             if seq <= 8192:
                 profile_dense_bwd(seq, log, dict(DENSE_PIECE_ROWS=256))
                 profile_dense_bwd(seq, log, dict(DENSE_PIECE_ROWS=256, ZEROS="complement"))

@@ -208,3 +208,67 @@ def test_ncu_target_names_the_forward_rounds_configurations_and_checks_its_flags
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             ncu_target.main(["--op", "fwd"])
+
+
+def test_host_profile_names_the_functions_the_host_spends_its_time_in():
+    """benchmarks/host_profile.py (the dense backward's host profile, dsa_kernels --profile-bwd-host): a call that
+    spends its time in one helper is profiled for every call asked, and that helper heads the own-time table."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from host_profile import host_profile
+
+    def _slow_helper_for_the_profile():
+        acc = 0
+        for i in range(300_000):
+            acc += i * i
+        return acc
+
+    def call():
+        _slow_helper_for_the_profile()
+        return len(str(3))
+
+    lines = []
+    stats = host_profile(call, 3, 5, lines.append)
+    assert len(lines) == 2 and "own time" in lines[0] and "time under them" in lines[1]
+    own = lines[0].splitlines()
+    assert own[1].split()[0] == "ncalls" and own[2].split()[0] == "3", own[:4]
+    assert own[2].endswith("(_slow_helper_for_the_profile)"), own[:4]
+    assert any(line.endswith("(call)") for line in lines[1].splitlines()[2:5]), lines[1]
+    calls = {f[2]: v[0] for f, v in stats.stats.items()}
+    assert calls["_slow_helper_for_the_profile"] == 3 and calls["call"] == 3
+
+
+def test_dsa_kernels_refuses_a_host_profile_without_the_backward_profile():
+    """--profile-bwd-host N needs --profile-bwd (it profiles that backward) and a positive N: refused by name before
+    anything needs a GPU."""
+    for flags in (["--profile-bwd-host", "10"], ["--profile-bwd", "--profile-bwd-host", "-1"]):
+        r = subprocess.run([sys.executable, str(REPO / "benchmarks/dsa_kernels.py"), *flags], capture_output=True,
+                           text=True, timeout=120, cwd=REPO / "benchmarks")
+        assert r.returncode == 2 and "--profile-bwd-host" in r.stderr, (flags, r.stderr[-1000:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_queued_timing_leaves_out_the_hosts_issue_time():
+    """cuda_timing.queued_ms times a call's GPU work with the host ahead: a call whose host side sleeps 20 ms before
+    one small kernel takes 20 ms or more from an idle GPU (median_ms) and well under that queued behind busy work,
+    with every run queued."""
+    import time
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from cuda_timing import median_ms, queued_ms
+
+    x = torch.zeros(1024, device="cuda")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        time.sleep(0.02)
+        x.add_(1)
+
+    def busy():  # about 1.1 TFLOP each: 45-60 ms on an H100 / H200, longer than the call's 20 ms on the host
+        for _ in range(40):
+            a @ a
+
+    idle = median_ms(call, 3, warmup=1)
+    gpu, host, late = queued_ms(call, busy, 3, warmup=1)
+    assert idle >= 19.0 and host >= 19.0, (idle, host)
+    assert late == 0 and gpu < 2.0, (gpu, late)
