@@ -357,14 +357,16 @@ def load_baseline(path):
 
 def fwd_round_configs():
     """(row suffix, config) of our warp-specialised forward timed in interleaved rounds: the default (lockstep
-    consumers, each kv block gathered in two halves), whole blocks, the L2 hints (KV_HINTS), bounded (each query
-    stops after its last used slot: the causal padding of early tokens not computed; last timed before halves, 44 %
-    slower for a cause not found) and the staggered consumers (tilelang_sparse_mla_staggered), last."""
+    consumers, each kv block gathered in two halves), whole blocks, the L2 hints (KV_HINTS), the products as
+    asynchronous wgmma (WS_ASYNC_CONFIG), bounded (each query stops after its last used slot: the causal padding of
+    early tokens not computed; 10 % slower in session 20, cause not found) and the staggered consumers
+    (tilelang_sparse_mla_staggered), last."""
     from megatron_glm5.ops import tilelang_sparse_mla_staggered as stg
     from megatron_glm5.ops import tilelang_sparse_mla_ws as ws
 
     return ((", warp-specialised", ws.WS_CONFIG), (", warp-specialised, whole blocks", ws.WS_WHOLE_BLOCKS_CONFIG),
             (", warp-specialised, L2 hints", ws.WS_L2_HINTS_CONFIG),
+            (", warp-specialised, async wgmma", ws.WS_ASYNC_CONFIG),
             (", warp-specialised, bounded", ws.WS_BOUNDED_CONFIG),
             (", warp-specialised, staggered", stg.WS_STAGGERED_CONFIG))
 

@@ -453,7 +453,7 @@ GPU_CONFIGS = dict(CONFIGS, ws=tlws.WS_CONFIG, ws_bounded=tlws.WS_BOUNDED_CONFIG
                    ws_exact=tlws.WS_EXACT_CONFIG, ws_gather_all=tlws.WS_GATHER_ALL_CONFIG, ws_late=tlws.WS_LATE_RELEASE_CONFIG, ws32=tlws.WS32_CONFIG,
                    ws32_early=tlws.WS32_EARLY_CONFIG, ws_l2_hints=tlws.WS_L2_HINTS_CONFIG,
                    ws_l2_256b=tlws.WS_L2_256B_CONFIG, ws_whole_blocks=tlws.WS_WHOLE_BLOCKS_CONFIG,
-                   ws_staggered=tls.WS_STAGGERED_CONFIG)
+                   ws_async=tlws.WS_ASYNC_CONFIG, ws_staggered=tls.WS_STAGGERED_CONFIG)
 
 
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG,
@@ -610,14 +610,14 @@ def test_gpu_tilelang_bounded_forward_equals_every_step(layout):
 @gpu
 @needs_gpu_tilelang
 def test_gpu_gather_variants_are_bitwise_the_default_forward():
-    """The kv block gathered whole (split_ready False) or in two halves (the default), and the L2 hints, change
-    when data arrives and how long it stays in L2, not one product: out and lse equal the default's bit for bit at
-    GLM-5 shapes."""
+    """The kv block gathered whole (split_ready False) or in two halves (the default), the L2 hints, and the
+    products as asynchronous wgmma (waited for only where needed) change when data arrives, how long it stays in L2
+    and when the consumers wait, not one product: out and lse equal the default's bit for bit at GLM-5 shapes."""
     from test_ops_triton import gpu_sparse_problem
 
     pr = gpu_sparse_problem("causal", seed=31)
     want = tlm.tilelang_sparse_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV, config=tlws.WS_CONFIG)
-    for name in ("ws_whole_blocks", "ws_l2_hints", "ws_l2_256b"):
+    for name in ("ws_whole_blocks", "ws_l2_hints", "ws_l2_256b", "ws_async"):
         got = tlm.tilelang_sparse_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV, config=GPU_CONFIGS[name])
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
 

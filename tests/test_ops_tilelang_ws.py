@@ -146,3 +146,33 @@ def test_split_ready_gathers_each_block_in_two_halves(tmp_path, kernel):
     report = nvcc_cubin(tmp_path, src)
     if report is not None:
         assert " 0 bytes spill stores" in report, report
+
+
+def test_async_wgmma_waits_only_where_a_result_or_a_buffer_is_needed(tmp_path):
+    """WS_ASYNC_CONFIG in the lowered source: each consumer issues the same five products as the default
+    (wgmma_ss: q k^T's two latent halves and rope part, p V of both blocks) but waits three times per step
+    instead of five -- once after q k^T (before the mask reads the scores), then wait_wgmma<1> before freeing the
+    even buffer and wait_wgmma<0> before freeing the odd one -- with no T.gemm wait left; the roles never meet
+    block-wide; ptxas spills nothing. The builder refuses it without early_release."""
+    from test_ops_tilelang import nvcc_cubin
+
+    def lower(**kw):
+        cfg = {k: v for k, v in dict(tlws.WS_CONFIG, **kw).items() if k not in ("builder", "topk_multiple",
+                                                                              "fast_math")}
+        return tlm.lower_to_cuda(tlws.build_sparse_fwd_ws(64, 512, 64, 2048, 576 ** -0.5, **cfg))
+
+    default, src = lower(), lower(async_wgmma=True)
+    assert "__syncthreads" not in src[src.index("tl::warpgroup_reg_alloc<"):]
+    for c, (was, part) in enumerate(zip(role_sources(default)[:2], role_sources(src)[:2])):
+        assert part.count("tl::wgmma_ss<") == was.count("tl::wgmma_ss<") == 5
+        assert was.count("warpgroup_wait<0>") == 5 and "warpgroup_wait<" not in part
+        assert re.findall(r"wait_wgmma<(\d)>", part) == ["0", "1", "0"]
+        mask_reads = part.index("Idx[")
+        assert part.index("wait_wgmma<0>") < mask_reads  # the scores complete before the mask reads them
+        even, odd = part.index(f"bar_free[{2 * 0}].arrive"), part.index(f"bar_free[{2 * 0 + 1}].arrive")
+        assert part.index("wait_wgmma<1>") < even < part.rindex("wait_wgmma<0>") < odd
+    with pytest.raises(ValueError, match="async_wgmma needs early_release"):
+        tlws.build_sparse_fwd_ws(64, 512, 64, 2048, 576 ** -0.5, async_wgmma=True, early_release=False)
+    report = nvcc_cubin(tmp_path, src)
+    if report is not None:
+        assert " 0 bytes spill stores" in report, report

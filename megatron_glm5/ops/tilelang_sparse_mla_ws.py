@@ -55,9 +55,10 @@ from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, ch
 
 __all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG",
            "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG", "WS_L2_HINTS_CONFIG", "WS_L2_256B_CONFIG",
-           "WS_WHOLE_BLOCKS_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler", "build_sparse_fwd_ws",
-           "check_kv_hint", "consumer_epilogue", "consumer_prologue", "consumer_tiles", "kernel_prelude",
-           "masked_scores", "query_tma_loader", "row_exchange_buffers", "scores_product", "tilelang_sparse_fwd_ws", "ws_fits"]
+           "WS_WHOLE_BLOCKS_CONFIG", "WS_ASYNC_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler",
+           "build_sparse_fwd_ws", "check_kv_hint", "consumer_epilogue", "consumer_prologue", "consumer_tiles",
+           "kernel_prelude", "masked_scores", "query_tma_loader", "row_exchange_buffers", "scores_product",
+           "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
 STEP = 2 * BLOCK_N  # top-k slots per step of the loop (a block per consumer; four 32-row blocks with block_n 32)
@@ -184,25 +185,31 @@ def buffer_filler(block_n: int, d_v: int, skip_unused: bool, kv_hint=None, split
     return fill
 
 
-def scores_product(d_v: int, split_ready: bool):
+def scores_product(d_v: int, split_ready: bool, async_wgmma: bool = False):
     """T.macro: s = q k^T (latent + rope, fp32, cleared first) of kv buffer b once its producer is done with it
     (phase: the buffer's use parity); with split_ready the first latent half is multiplied after bar_lo[b] and the
-    rest after bar_ready[b].  Our warp-specialised forward and the backward's scores kernel share it."""
+    rest after bar_ready[b].  async_wgmma: the products issued as asynchronous wgmma (``T.wgmma_gemm``) with one wait
+    at the end, instead of ``T.gemm``'s wait after each (the tensor pipe drained between the latent halves and the
+    rope part); the same wgmma instructions in the same order.  Our warp-specialised forward and the backward's
+    scores kernel share it."""
     import tilelang.language as T
 
     half = d_v // 2
+    mm = T.wgmma_gemm if async_wgmma else T.gemm
 
     @T.macro
     def product(q_lat, q_rope, k_lat_b, k_rope_b, s, bar_lo, bar_ready, b, phase):
         if split_ready:  # q k^T on the first latent half while the rest is in flight
             T.barrier_wait(bar_lo[b], phase)
-            T.gemm(q_lat[:, 0:half], k_lat_b[:, 0:half], s, transpose_B=True, clear_accum=True)
+            mm(q_lat[:, 0:half], k_lat_b[:, 0:half], s, transpose_B=True, clear_accum=True)
             T.barrier_wait(bar_ready[b], phase)
-            T.gemm(q_lat[:, half:d_v], k_lat_b[:, half:d_v], s, transpose_B=True)
+            mm(q_lat[:, half:d_v], k_lat_b[:, half:d_v], s, transpose_B=True)
         else:
             T.barrier_wait(bar_ready[b], phase)
-            T.gemm(q_lat, k_lat_b, s, transpose_B=True, clear_accum=True)
-        T.gemm(q_rope, k_rope_b, s, transpose_B=True)
+            mm(q_lat, k_lat_b, s, transpose_B=True, clear_accum=True)
+        mm(q_rope, k_rope_b, s, transpose_B=True)
+        if async_wgmma:
+            T.wait_wgmma(0)
 
     return product
 
@@ -301,7 +308,7 @@ def consumer_epilogue(c: int, half: int):
 def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, consumer_regs: int = 232,
                         producer_regs: int = 40, skip_unused: bool = True, block_n: int = BLOCK_N,
                         early_release: bool = False, bounded: bool = False, kv_hint=None, q_evict_first: bool = False,
-                        split_ready: bool = False, dtype: str = "bfloat16"):
+                        split_ready: bool = False, async_wgmma: bool = False, dtype: str = "bfloat16"):
     """The TileLang prim_func of the warp-specialised forward (module docstring); same arguments as
     ``tilelang_sparse_mla.build_sparse_fwd``'s kernel.  heads % 64 == 0, topk % 128 == 0, d_rope == 64.
     consumer_regs / producer_regs: the per-thread registers of each role after setmaxnreg (multiples of 8); their
@@ -318,9 +325,15 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     computed).  kv_hint: the L2 policy of the kv gathers (``KV_HINTS``); q_evict_first: q's TMA loads (each q read
     once) carry an L2 evict-first hint.  split_ready: the producer gathers each block in two halves (the first half
     of the latent columns, then the rest with the rope part), each completing its own "ready" barrier, and the
-    consumer starts q k^T on the first half while the second is in flight."""
+    consumer starts q k^T on the first half while the second is in flight.  async_wgmma (with early_release): a
+    consumer's products issued as asynchronous wgmma, waited for only where a result or a buffer is needed -- q k^T
+    once after its three parts (``scores_product``), the pair's two p V products back to back, the even buffer freed
+    after wait_wgmma(1) and the odd one after wait_wgmma(0) -- instead of the tensor pipe drained after each
+    ``T.gemm``; the same wgmma instructions in the same order, so the same results bit for bit."""
     import tilelang.language as T
 
+    if async_wgmma and not early_release:
+        raise ValueError("async_wgmma needs early_release (its p V order: both consumers take the even block first)")
     if block_n not in (32, BLOCK_N):
         raise ValueError(f"block_n must be 32 or {BLOCK_N}, got {block_n}")
     sets = BLOCK_N // block_n  # buffer sets in flight: 1 (64 rows) or 2 (32 rows)
@@ -344,7 +357,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     wg = 128  # threads per warpgroup
     ends_shape = (n_q,) if bounded else (1,)  # unbounded: a placeholder
 
-    qk = scores_product(d_v, split_ready)
+    qk = scores_product(d_v, split_ready, async_wgmma)
     mask = masked_scores(block_n, c_log2)
     start = consumer_prologue(consumer_regs)
 
@@ -393,7 +406,20 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                     T.copy(s, p_of[mine])
                     for i, j in T.Parallel(HEAD_BLOCK, half):
                         acc[i, j] = acc[i, j] * alpha[i]
-                    if early_release:  # both take the even block first; each buffer freed after its last use
+                    if early_release and async_wgmma:  # both products in flight; each buffer freed once read
+                        T.fence_proxy_async()  # p's stores visible to the other consumer's wgmma
+                        T.barrier_arrive(bar_p[c])
+                        if c == 1:
+                            T.barrier_wait(bar_p[0], ph)
+                        T.wgmma_gemm(p_of[2 * st], k_lat[2 * st][:, cols], acc)
+                        if c == 0:
+                            T.barrier_wait(bar_p[1], ph)
+                        T.wgmma_gemm(p_of[2 * st + 1], k_lat[2 * st + 1][:, cols], acc)
+                        T.wait_wgmma(1)  # the even block's product done: its buffer is free
+                        T.barrier_arrive(bar_free[2 * st])
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(bar_free[2 * st + 1])
+                    elif early_release:  # both take the even block first; each buffer freed after its last use
                         T.fence_proxy_async()  # p's stores visible to the other consumer's wgmma
                         T.barrier_arrive(bar_p[c])
                         if c == 1:
@@ -521,6 +547,9 @@ WS_L2_HINTS_CONFIG = dict(WS_CONFIG, kv_hint="evict_last", q_evict_first=True, s
 WS_L2_256B_CONFIG = dict(WS_L2_HINTS_CONFIG, kv_hint="evict_last_256b")
 #: each kv block gathered whole before q k^T starts (``split_ready`` False: the default before 2026-12-07)
 WS_WHOLE_BLOCKS_CONFIG = dict(WS_CONFIG, split_ready=False)
+#: the consumers' products as asynchronous wgmma, waited for only where a result or a buffer is needed (session 20;
+#: not yet run on a GPU: opt-in, a benchmark row, bitwise the default by construction -- the GPU tests check it)
+WS_ASYNC_CONFIG = dict(WS_CONFIG, async_wgmma=True)
 
 
 build_sparse_fwd_ws.takes_ends = True  # the kernel's 4th argument is Ends (a placeholder unless bounded)
