@@ -176,3 +176,29 @@ def test_async_wgmma_waits_only_where_a_result_or_a_buffer_is_needed(tmp_path):
     report = nvcc_cubin(tmp_path, src)
     if report is not None:
         assert " 0 bytes spill stores" in report, report
+
+
+def test_async_wgmma_in_the_backward_scores_kernel_waits_once_per_step(tmp_path):
+    """build_sparse_pds_ws(async_wgmma=True) in the lowered source: each consumer issues the same products as the
+    default (q k^T's three parts, dO v^T, the head sums' p^T ones) but the four of a step before the mask wait once
+    (wait_wgmma<0>, before the scores and dp are read) instead of four times; only the head sums' product keeps its
+    own wait; no more ptxas spills than the default's."""
+    from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
+    from test_ops_tilelang import nvcc_cubin
+
+    def lower(**kw):
+        cfg = {k: v for k, v in dict(tlbws.PDS_WS_CONFIG, **kw).items() if k != "fast_math"}
+        return tlm.lower_to_cuda(tlbws.build_sparse_pds_ws(64, 512, 64, 2048, 576 ** -0.5, 64, 2048, **cfg))
+
+    default, src = lower(), lower(async_wgmma=True)
+    for was, part in zip(role_sources(default)[:2], role_sources(src)[:2]):
+        assert part.count("tl::wgmma_") == was.count("tl::wgmma_") == 5
+        assert re.findall(r"warpgroup_wait<(\d)>", was) == ["0"] * 5
+        assert re.findall(r"warpgroup_wait<(\d)>", part) == ["0"] and re.findall(r"wait_wgmma<(\d)>", part) == ["0"]
+        assert part.index("wait_wgmma<0>") < part.index("Idx[")  # both products done before the mask reads them
+    for name in ("default", "async"):
+        (tmp_path / name).mkdir()
+    spills = [nvcc_cubin(tmp_path / name, s) for name, s in (("default", default), ("async", src))]
+    if spills[0] is not None:
+        stores = [re.search(r"(\d+) bytes spill stores", r).group(1) for r in spills]
+        assert int(stores[1]) <= int(stores[0]), spills

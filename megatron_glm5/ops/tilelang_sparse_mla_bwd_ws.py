@@ -66,7 +66,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         topk_real: int, head_sums: bool = True, consumer_regs: int = 240, producer_regs: int = 24,
                         skip_unused: bool = True, write_pds: bool = True, staged: bool = True,
                         bounded: bool = True, kv_hint=None, q_evict_first: bool = False, split_ready: bool = False,
-                        dtype: str = "bfloat16"):
+                        async_wgmma: bool = False, dtype: str = "bfloat16"):
     """The TileLang prim_func of the scores step (module docstring) for these static sizes: heads (a multiple of
     64) of which heads_real are real (the column of head h of query t is t * heads_real + h), topk slots (a multiple
     of 128) of which topk_real are the caller's (the head sums' row length).
@@ -81,7 +81,9 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     (False: stored from the register tiles).  bounded: each query stops after its last used slot (Ends; False:
     every step, Ends unread).  kv_hint / q_evict_first / split_ready: the L2 hints of the kv gathers and q's TMA
     loads, and the block gathered in two halves (q k^T starts on the first), as in the forward
-    (``tilelang_sparse_mla_ws.build_sparse_fwd_ws``)."""
+    (``tilelang_sparse_mla_ws.build_sparse_fwd_ws``).  async_wgmma: a step's q k^T (three parts) and dO v^T issued
+    as asynchronous wgmma with one wait after the last, instead of a wait after each (the same products, so the same
+    results bit for bit; opt-in, session 20, not yet run on a GPU)."""
     import tilelang.language as T
 
     check_tiles(heads, topk, PAIR)
@@ -104,7 +106,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     wg = 128
     hs_shape = (n_q, topk_real) if head_sums else (1, 1)  # without head sums: a 1 x 1 placeholder
 
-    qk = scores_product(d_v, split_ready)
+    qk = scores_product(d_v, split_ready, async_wgmma, wait=False)
 
     def consumer(c: int):
         """T.macro: consumer warpgroup c's part (block 2 it + c of each step, in kv buffer c); do_f .. hsum: its
@@ -122,7 +124,11 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             T.barrier_wait(bar_q, 0)
             for it in T.serial(n_it):
                 qk(q_lat, q_rope, k_lat[c], k_rope[c], s, bar_lo, bar_ready, c, it & 1)
-                T.gemm(do_f, k_lat[c], dp, transpose_B=True, clear_accum=True)
+                if async_wgmma:  # dO v^T in flight behind q k^T; one wait for both
+                    T.wgmma_gemm(do_f, k_lat[c], dp, transpose_B=True, clear_accum=True)
+                    T.wait_wgmma(0)
+                else:
+                    T.gemm(do_f, k_lat[c], dp, transpose_B=True, clear_accum=True)
                 if not head_sums and not staged:
                     T.barrier_arrive(bar_free[c])
                 for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):

@@ -185,13 +185,13 @@ def buffer_filler(block_n: int, d_v: int, skip_unused: bool, kv_hint=None, split
     return fill
 
 
-def scores_product(d_v: int, split_ready: bool, async_wgmma: bool = False):
+def scores_product(d_v: int, split_ready: bool, async_wgmma: bool = False, wait: bool = True):
     """T.macro: s = q k^T (latent + rope, fp32, cleared first) of kv buffer b once its producer is done with it
     (phase: the buffer's use parity); with split_ready the first latent half is multiplied after bar_lo[b] and the
     rest after bar_ready[b].  async_wgmma: the products issued as asynchronous wgmma (``T.wgmma_gemm``) with one wait
     at the end, instead of ``T.gemm``'s wait after each (the tensor pipe drained between the latent halves and the
-    rope part); the same wgmma instructions in the same order.  Our warp-specialised forward and the backward's
-    scores kernel share it."""
+    rope part); the same wgmma instructions in the same order; ``wait`` False leaves them in flight (the caller
+    issues more and waits).  Our warp-specialised forward and the backward's scores kernel share it."""
     import tilelang.language as T
 
     half = d_v // 2
@@ -208,7 +208,7 @@ def scores_product(d_v: int, split_ready: bool, async_wgmma: bool = False):
             T.barrier_wait(bar_ready[b], phase)
             mm(q_lat, k_lat_b, s, transpose_B=True, clear_accum=True)
         mm(q_rope, k_rope_b, s, transpose_B=True)
-        if async_wgmma:
+        if async_wgmma and wait:
             T.wait_wgmma(0)
 
     return product
