@@ -18,26 +18,11 @@ from typing import Callable, Optional, Tuple
 import torch
 
 
-def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3, refill: Optional[Callable[[], None]] = None) -> float:
-    refill = refill or (lambda: None)
-    for _ in range(warmup):
-        refill()
-        fn()
-    times = []
-    for _ in range(reps):
-        refill()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def queued_ms(fn: Callable[[], object], busy: Callable[[], object], reps: int, warmup: int = 3,
-              refill: Optional[Callable[[], None]] = None) -> Tuple[float, float, int]:
+def _runs(fn: Callable[[], object], reps: int, warmup: int, refill: Optional[Callable[[], None]],
+          busy: Optional[Callable[[], object]] = None) -> Tuple[list, list, int]:
+    """The one timing loop: warm-ups, then per run refill(), an idle GPU, busy() (if given) queued first, and
+    CUDA events around fn() in stream order; (GPU ms per run, host issue ms per run, runs the GPU reached before the
+    host had issued fn -- with busy(): runs not queued)."""
     refill = refill or (lambda: None)
     for _ in range(warmup):
         refill()
@@ -47,13 +32,24 @@ def queued_ms(fn: Callable[[], object], busy: Callable[[], object], reps: int, w
         refill()
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        busy()
-        start.record()  # reached by the GPU when busy() is done
+        if busy is not None:
+            busy()
+        start.record()  # with busy(): reached by the GPU when busy() is done
         h0 = time.perf_counter()
         fn()
         hosts.append((time.perf_counter() - h0) * 1e3)
-        late += int(start.query())  # the GPU already past busy(): it waited for the host in this run
+        late += int(start.query())  # the GPU already past the start: it waited for the host in this run
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return times, hosts, late
+
+
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3, refill: Optional[Callable[[], None]] = None) -> float:
+    return statistics.median(_runs(fn, reps, warmup, refill)[0])
+
+
+def queued_ms(fn: Callable[[], object], busy: Callable[[], object], reps: int, warmup: int = 3,
+              refill: Optional[Callable[[], None]] = None) -> Tuple[float, float, int]:
+    times, hosts, late = _runs(fn, reps, warmup, refill, busy)
     return statistics.median(times), statistics.median(hosts), late

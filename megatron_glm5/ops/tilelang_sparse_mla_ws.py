@@ -358,6 +358,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     ends_shape = (n_q,) if bounded else (1,)  # unbounded: a placeholder
 
     qk = scores_product(d_v, split_ready, async_wgmma)
+    pv = T.wgmma_gemm if async_wgmma else T.gemm  # the p V products (async: waited for before each buffer's free)
     mask = masked_scores(block_n, c_log2)
     start = consumer_prologue(consumer_regs)
 
@@ -406,29 +407,21 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                     T.copy(s, p_of[mine])
                     for i, j in T.Parallel(HEAD_BLOCK, half):
                         acc[i, j] = acc[i, j] * alpha[i]
-                    if early_release and async_wgmma:  # both products in flight; each buffer freed once read
+                    if early_release:  # both take the even block first; each buffer freed after its last use
                         T.fence_proxy_async()  # p's stores visible to the other consumer's wgmma
                         T.barrier_arrive(bar_p[c])
                         if c == 1:
                             T.barrier_wait(bar_p[0], ph)
-                        T.wgmma_gemm(p_of[2 * st], k_lat[2 * st][:, cols], acc)
+                        pv(p_of[2 * st], k_lat[2 * st][:, cols], acc)
+                        if not async_wgmma:
+                            T.barrier_arrive(bar_free[2 * st])
                         if c == 0:
                             T.barrier_wait(bar_p[1], ph)
-                        T.wgmma_gemm(p_of[2 * st + 1], k_lat[2 * st + 1][:, cols], acc)
-                        T.wait_wgmma(1)  # the even block's product done: its buffer is free
-                        T.barrier_arrive(bar_free[2 * st])
-                        T.wait_wgmma(0)
-                        T.barrier_arrive(bar_free[2 * st + 1])
-                    elif early_release:  # both take the even block first; each buffer freed after its last use
-                        T.fence_proxy_async()  # p's stores visible to the other consumer's wgmma
-                        T.barrier_arrive(bar_p[c])
-                        if c == 1:
-                            T.barrier_wait(bar_p[0], ph)
-                        T.gemm(p_of[2 * st], k_lat[2 * st][:, cols], acc)
-                        T.barrier_arrive(bar_free[2 * st])
-                        if c == 0:
-                            T.barrier_wait(bar_p[1], ph)
-                        T.gemm(p_of[2 * st + 1], k_lat[2 * st + 1][:, cols], acc)
+                        pv(p_of[2 * st + 1], k_lat[2 * st + 1][:, cols], acc)
+                        if async_wgmma:  # both products were in flight: each buffer freed once its product is done
+                            T.wait_wgmma(1)
+                            T.barrier_arrive(bar_free[2 * st])
+                            T.wait_wgmma(0)
                         T.barrier_arrive(bar_free[2 * st + 1])
                     else:
                         T.gemm(p_of[mine], k_lat[mine][:, cols], acc)  # the fence for p's stores precedes this gemm
