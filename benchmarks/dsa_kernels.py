@@ -360,15 +360,17 @@ def load_baseline(path):
 def fwd_round_configs():
     """(row suffix, config) of our warp-specialised forward timed in interleaved rounds: the default (lockstep
     consumers, each kv block gathered in two halves), whole blocks, the L2 hints (KV_HINTS), the products as
-    asynchronous wgmma (WS_ASYNC_CONFIG), bounded (each query stops after its last used slot: the causal padding of
-    early tokens not computed; 10 % slower in session 20, cause not found) and the staggered consumers
-    (tilelang_sparse_mla_staggered), last."""
+    asynchronous wgmma (WS_ASYNC_CONFIG), persistent thread blocks (one per SM, token after token; also with async
+    wgmma), bounded (each query stops after its last used slot: the causal padding of early tokens not computed; 10 %
+    slower in session 20, cause not found) and the staggered consumers (tilelang_sparse_mla_staggered), last."""
     from megatron_glm5.ops import tilelang_sparse_mla_staggered as stg
     from megatron_glm5.ops import tilelang_sparse_mla_ws as ws
 
     return ((", warp-specialised", ws.WS_CONFIG), (", warp-specialised, whole blocks", ws.WS_WHOLE_BLOCKS_CONFIG),
             (", warp-specialised, L2 hints", ws.WS_L2_HINTS_CONFIG),
             (", warp-specialised, async wgmma", ws.WS_ASYNC_CONFIG),
+            (", warp-specialised, persistent", ws.WS_PERSISTENT_CONFIG),
+            (", warp-specialised, persistent async", ws.WS_PERSISTENT_ASYNC_CONFIG),
             (", warp-specialised, bounded", ws.WS_BOUNDED_CONFIG),
             (", warp-specialised, staggered", stg.WS_STAGGERED_CONFIG))
 
@@ -384,7 +386,7 @@ def _flashmla_row(p, reps, add):
 
 
 def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=None, bwd_only=False,
-          bwd_variants=None, baseline=None, dense_match=None, rounds=3, fwd_only=False):
+          bwd_variants=None, baseline=None, dense_match=None, rounds=3, fwd_only=False, fwd_match=None):
     from megatron_glm5.ops import reference, triton_indexer, triton_kl
     from megatron_glm5.ops import triton_sparse_mla as tsm
 
@@ -427,7 +429,8 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
         configuration drift by up to 4.5 % over a run: session 17); unused_too: each also with every slot unused
         (-1: nothing gathered after the first block pair, every product and the softmax still run -- what the
         gathers cost; the TFLOP/s column counts the same work)."""
-        configs = fwd_round_configs()
+        configs = [c for i, c in enumerate(fwd_round_configs())
+                   if i == 0 or fwd_match is None or re.search(fwd_match, c[0])]
         tilelang_rows("sparse_mla fwd (our TileLang{})", functools.partial(
             tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV), configs, reps,
             p.fwd_flop, rounds)
@@ -486,7 +489,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
             tilelang_sparse_mla.tilelang_sparse_fwd, p.q, p.kv, p.indices, p.scale, DV),
             ((", warp-specialised", tilelang_sparse_mla_ws.WS_CONFIG),
              (", warp-specialised, whole blocks", tilelang_sparse_mla_ws.WS_WHOLE_BLOCKS_CONFIG),
-             *fwd_round_configs()[3:],  # bounded (stops after the last used slot), the staggered consumers
+             *fwd_round_configs()[3:],  # async wgmma, persistent, bounded (stops after the last used slot), staggered
              (", plain loop", tilelang_sparse_mla.FWD_CONFIG),
              (", pipelined", tilelang_sparse_mla.PIPELINED_CONFIG),
              (", pipelined, 64 rows", tilelang_sparse_mla.PIPELINED64_CONFIG)), reps,
@@ -608,6 +611,9 @@ def main(argv=None):
     ap.add_argument("--dense-match", default=None, metavar="REGEX",
                     help="time only the variants of our TileLang dense backward whose row text this regular "
                          "expression finds (the four default rows always; default: every variant)")
+    ap.add_argument("--fwd-match", default=None, metavar="REGEX",
+                    help="with --fwd-only / --bwd-only: time only the forward configurations whose row suffix this "
+                         "regular expression finds (the default configuration always; default: every one)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="with --bwd-only / --fwd-only: time our TileLang forward's configurations in this many "
                          "interleaved rounds and report each one's median round (default 3)")
@@ -642,7 +648,7 @@ def main(argv=None):
     for seq in args.seqs:
         result["rows"] += bench(seq, args.reps, seq <= args.reference_max_seq, log, args.peak_tflops,
                                 args.tilelang_examples, args.bwd_only, variants, baseline, args.dense_match,
-                                args.rounds, args.fwd_only)
+                                args.rounds, args.fwd_only, args.fwd_match)
         if args.profile_bwd:
             profile_dense_bwd(seq, log, host_top=args.profile_bwd_host)
             if seq <= 8192:

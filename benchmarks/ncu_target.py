@@ -4,7 +4,8 @@
         python3 benchmarks/ncu_target.py --op fwd --seq 32768 [--config staggered] [--unused]
 
 Ops: ``fwd`` -- our warp-specialised TileLang forward in one of the configurations that benchmarks/dsa_kernels.py
-times in rounds (--config: default, whole blocks, L2 hints, bounded, staggered); ``--unused`` gives it every top-k
+times in rounds (--config: default, whole blocks, L2 hints, async wgmma, persistent, persistent async,
+bounded, staggered); ``--unused`` gives it every top-k
 slot unused (nothing gathered after the first block pair, every product still run: its counters without the
 gathers; not with bounded, which then runs no step);
 ``bwd`` -- the ``--attn tilelang`` backward (our scores kernel + cuBLAS; --pieces N: BWD_CONFIG DENSE_PIECE_ROWS).

@@ -167,8 +167,8 @@ def test_interleaved_rounds_time_every_configuration_once_per_round(monkeypatch)
 
 def test_forward_rounds_time_the_default_first_and_each_variant_once():
     """dsa_kernels.fwd_round_configs (the --fwd-only / --bwd-only forward rows): our backend's forward first, then
-    whole blocks, the L2 hints, the asynchronous wgmma, bounded and the staggered schedule, each a complete
-    configuration (its own builder) under a label of its own."""
+    whole blocks, the L2 hints, the asynchronous wgmma, persistent (also with async wgmma), bounded and the staggered
+    schedule, each a complete configuration (its own builder) under a label of its own."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import dsa_kernels as kernels
     from megatron_glm5.ops import tilelang_sparse_mla_staggered as stg
@@ -176,9 +176,10 @@ def test_forward_rounds_time_the_default_first_and_each_variant_once():
 
     configs = kernels.fwd_round_configs()
     labels = [label for label, _ in configs]
-    assert len(set(labels)) == len(labels) == 6
+    assert len(set(labels)) == len(labels) == 8
     assert configs[0][1] is ws.WS_CONFIG
     assert [c for _, c in configs[1:]] == [ws.WS_WHOLE_BLOCKS_CONFIG, ws.WS_L2_HINTS_CONFIG, ws.WS_ASYNC_CONFIG,
+                                           ws.WS_PERSISTENT_CONFIG, ws.WS_PERSISTENT_ASYNC_CONFIG,
                                            ws.WS_BOUNDED_CONFIG, stg.WS_STAGGERED_CONFIG]
     assert all("builder" in c for _, c in configs)
 
@@ -192,7 +193,8 @@ def test_ncu_target_names_the_forward_rounds_configurations_and_checks_its_flags
     import ncu_target
 
     names = ncu_target.forward_configs()
-    assert list(names) == ["default", "whole blocks", "L2 hints", "async wgmma", "bounded", "staggered"]
+    assert list(names) == ["default", "whole blocks", "L2 hints", "async wgmma", "persistent", "persistent async",
+                           "bounded", "staggered"]
     assert list(names.values()) == [c for _, c in kernels.fwd_round_configs()]
     args = ncu_target.parse(["--op", "fwd", "--config", "staggered", "--unused"])
     assert (args.seq, args.config, args.unused) == (32768, "staggered", True)

@@ -453,7 +453,8 @@ GPU_CONFIGS = dict(CONFIGS, ws=tlws.WS_CONFIG, ws_bounded=tlws.WS_BOUNDED_CONFIG
                    ws_exact=tlws.WS_EXACT_CONFIG, ws_gather_all=tlws.WS_GATHER_ALL_CONFIG, ws_late=tlws.WS_LATE_RELEASE_CONFIG, ws32=tlws.WS32_CONFIG,
                    ws32_early=tlws.WS32_EARLY_CONFIG, ws_l2_hints=tlws.WS_L2_HINTS_CONFIG,
                    ws_l2_256b=tlws.WS_L2_256B_CONFIG, ws_whole_blocks=tlws.WS_WHOLE_BLOCKS_CONFIG,
-                   ws_async=tlws.WS_ASYNC_CONFIG, ws_staggered=tls.WS_STAGGERED_CONFIG)
+                   ws_async=tlws.WS_ASYNC_CONFIG, ws_persistent=tlws.WS_PERSISTENT_CONFIG,
+                   ws_persistent_async=tlws.WS_PERSISTENT_ASYNC_CONFIG, ws_staggered=tls.WS_STAGGERED_CONFIG)
 
 
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG,
@@ -617,9 +618,29 @@ def test_gpu_gather_variants_are_bitwise_the_default_forward():
 
     pr = gpu_sparse_problem("causal", seed=31)
     want = tlm.tilelang_sparse_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV, config=tlws.WS_CONFIG)
-    for name in ("ws_whole_blocks", "ws_l2_hints", "ws_l2_256b", "ws_async"):
+    for name in ("ws_whole_blocks", "ws_l2_hints", "ws_l2_256b", "ws_async", "ws_persistent", "ws_persistent_async"):
         got = tlm.tilelang_sparse_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV, config=GPU_CONFIGS[name])
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
+
+
+@gpu
+@needs_gpu_tilelang
+@pytest.mark.parametrize("topk", [100, 200, 300])
+def test_gpu_persistent_forward_any_grid_is_bitwise_the_default(topk):
+    """The persistent forward (thread blocks taking token after token, every barrier's parity counted on across
+    tokens) equals the default bit for bit for grids smaller than the tokens (each block 1 to 43 tokens), larger
+    (idle blocks), and top-k lists of one, two and three 128-slot steps per token (odd step counts: the parities do
+    not repeat from token to token), with rows that select no key and padded heads."""
+    q, kv, idx = _inputs(300, 500, 16, topk, seed=41, empty_rows=(0, 7, 299))
+    q, kv, idx = q.cuda(), kv.cuda(), idx.cuda()
+    want = tlm.tilelang_sparse_fwd(q, kv, idx, 0.04, DV, config=tlws.WS_CONFIG)
+    for grid in (7, 132, 301, True):
+        for extra in ({}, dict(async_wgmma=True)):
+            cfg = dict(tlws.WS_CONFIG, persistent=grid, **extra)
+            out = torch.full((300, 16, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
+            lse = torch.full((300, 16), float("nan"), device="cuda")
+            tlm.tilelang_sparse_fwd(q, kv, idx, 0.04, DV, config=cfg, out=out, lse=lse)
+            assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), (grid, extra)
 
 
 @gpu

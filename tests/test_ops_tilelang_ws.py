@@ -202,3 +202,43 @@ def test_async_wgmma_in_the_backward_scores_kernel_waits_once_per_step(tmp_path)
     if spills[0] is not None:
         stores = [re.search(r"(\d+) bytes spill stores", r).group(1) for r in spills]
         assert int(stores[1]) <= int(stores[0]), spills
+
+
+def test_persistent_forward_loads_the_next_q_once_both_consumers_are_done_with_the_current(tmp_path):
+    """WS_PERSISTENT_CONFIG's kernel (persistent=132) in the lowered source: every role loops over its thread
+    block's items (ceil((n_q - block) / 132) of them); q is TMA-loaded by the producer only, per item, after waiting
+    for bar_qfree -- which each consumer arrives on once per item, right after its last q k^T and before the mask --
+    with bar_q counting the producer's 128 threads; the parities of bar_q and bar_l follow the item count, those of
+    the kv buffers the steps of all items so far; the per-token code is the default's (same products); ptxas
+    spills nothing. The builder refuses persistent with bounded."""
+    from test_ops_tilelang import nvcc_cubin
+
+    def lower(**kw):
+        cfg = {k: v for k, v in dict(tlws.WS_CONFIG, **kw).items() if k not in ("builder", "topk_multiple",
+                                                                              "fast_math")}
+        return tlm.lower_to_cuda(tlws.build_sparse_fwd_ws(64, 512, 64, 2048, 576 ** -0.5, **cfg))
+
+    default, src = lower(), lower(persistent=132)
+    prologue = src[:src.index("tl::warpgroup_reg_alloc<")]
+    assert "tma_load" not in prologue and "bar_q[0].init(128)" in prologue and "bar_qfree[0].init(256)" in prologue
+    assert "__syncthreads" not in src[src.index("tl::warpgroup_reg_alloc<"):]
+    *consumers, producer = role_sources(src)
+    for part in (*consumers, producer):
+        loop = re.search(r"for \(int (k\w*) = 0; \1 < \(\(\(\(n_q \+ 131\) - \(\(int\)blockIdx\.x\)\) / 132\)", part)
+        assert loop, part[:400]
+    k = re.search(r"for \(int (k\w*) = 0", producer).group(1)
+    assert producer.count("tma_load(") == 2 and producer.count("bar_q[0].arrive()") == 1
+    assert producer.index(f"bar_qfree[0].wait((({k} & 1) ^ 1))") < producer.index("tma_load(")
+    assert f"bar_free[0].wait((((({k} * 16) +" in producer
+    for was, part in zip(role_sources(default)[:2], consumers):
+        k = re.search(r"for \(int (k\w*) = 0", part).group(1)
+        assert part.count("tl::wgmma_ss<") == was.count("tl::wgmma_ss<") == 5 and "tma_load" not in part
+        assert f"bar_q[0].wait(({k} & 1))" in part and f"bar_l[0].wait(({k} & 1))" in part
+        free = re.findall(r"if \(\(?it\w* == 15\)?\) \{\s*bar_qfree\[0\]\.arrive\(\);", part)
+        assert len(free) == 1 and part.count("bar_qfree") == 1
+        assert part.index("tl::wgmma_ss<") < part.index("bar_qfree") < part.index("Idx[")
+    with pytest.raises(ValueError, match="persistent must be a positive int"):
+        tlws.build_sparse_fwd_ws(64, 512, 64, 2048, 576 ** -0.5, persistent=132, bounded=True)
+    report = nvcc_cubin(tmp_path, src)
+    if report is not None:
+        assert " 0 bytes spill stores" in report, report

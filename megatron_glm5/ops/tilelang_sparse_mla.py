@@ -284,6 +284,8 @@ def tilelang_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         if getattr(cfg.get("builder"), "takes_ends", False):  # the warp-specialised kernel: its loop bounds
             args += (bounded_steps(indices, kv.shape[0], topk_multiple) if cfg.get("bounded") else
                      torch.zeros(1, dtype=torch.int32, device=q.device),)
+        if cfg.get("persistent") is True:  # the warp-specialised forward's persistent grid: a thread block per SM
+            cfg["persistent"] = torch.cuda.get_device_properties(q.device).multi_processor_count
         kernel = _compiled(h_pad, d_v, d_rope, idx.shape[1], softmax_scale, cfg)
         kernel(*args, out_k, lse_k)
     if h_pad != h:

@@ -105,7 +105,7 @@ def build_sparse_fwd_staggered(heads: int, d_v: int, d_rope: int, topk: int, sof
     def consumer0(tok, h0, Idx, Out, Lse, q_lat, q_rope, k0_lat, k0_rope, k1_lat, p1_sh, m0_sh, m1_sh, l_sh, s, p,
                   acc, m_run, m_new, alpha, l_run, l_blk, lse_f, bar_q, bar_lo, bar_ready, bar_free_lo, bar_m0,
                   bar_m1, bar_p0, bar_p1, bar_l):
-        start(acc, l_run, m_run, bar_q)
+        start(acc, l_run, m_run, bar_q, 0)
         T.barrier_wait(bar_lo[0], 0)  # the first block's scores (later ones are issued at the end of each step)
         T.wgmma_gemm(q_lat[:, 0:half], k0_lat[:, 0:half], s, transpose_B=True, clear_accum=True)
         T.barrier_wait(bar_ready[0], 0)
@@ -150,13 +150,13 @@ def build_sparse_fwd_staggered(heads: int, d_v: int, d_rope: int, topk: int, sof
             else:
                 T.wait_wgmma(0)
                 T.barrier_arrive(bar_free_lo[1])
-        epilogue0(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l)
+        epilogue0(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l, 0)
 
     @T.macro
     def consumer1(tok, h0, Idx, Out, Lse, q_lat, q_rope, k0_lat, k0_rope, k1_lat, k1_rope, p1_sh, m0_sh, m1_sh, l_sh,
                   s, p, acc, m_run, m_new, alpha, l_run, l_blk, lse_f, bar_q, bar_lo, bar_ready, bar_free_hi, bar_m0,
                   bar_m1, bar_p0, bar_p1, bar_l):
-        start(acc, l_run, m_run, bar_q)
+        start(acc, l_run, m_run, bar_q, 0)
         for it in T.serial(n_it):
             ph = it & 1
             T.barrier_wait(bar_ready[1], ph)  # buffer 1's second half is gathered first
@@ -183,7 +183,7 @@ def build_sparse_fwd_staggered(heads: int, d_v: int, d_rope: int, topk: int, sof
             T.barrier_arrive(bar_free_hi[1])
             T.wait_wgmma(0)
             T.barrier_arrive(bar_free_hi[0])
-        epilogue1(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l)
+        epilogue1(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l, 0)
 
     load_q = query_tma_loader(d_v, q_evict_first)
 

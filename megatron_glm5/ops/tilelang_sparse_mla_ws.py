@@ -55,7 +55,8 @@ from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, ch
 
 __all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG",
            "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG", "WS_L2_HINTS_CONFIG", "WS_L2_256B_CONFIG",
-           "WS_WHOLE_BLOCKS_CONFIG", "WS_ASYNC_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler",
+           "WS_WHOLE_BLOCKS_CONFIG", "WS_ASYNC_CONFIG", "WS_PERSISTENT_CONFIG",
+           "WS_PERSISTENT_ASYNC_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler",
            "build_sparse_fwd_ws", "check_kv_hint", "consumer_epilogue", "consumer_prologue", "consumer_tiles",
            "kernel_prelude", "masked_scores", "query_tma_loader", "row_exchange_buffers", "scores_product",
            "tilelang_sparse_fwd_ws", "ws_fits"]
@@ -263,18 +264,20 @@ def query_tma_loader(d_v: int, q_evict_first: bool = False):
     return load
 
 
-def consumer_prologue(consumer_regs: int):
-    """T.macro: the start of a forward's consumer: its registers raised to consumer_regs (setmaxnreg), acc and the
-    row sums zeroed, the running max at M_FLOOR, then the wait for q (bar_q)."""
+def consumer_prologue(consumer_regs: int, set_regs: bool = True):
+    """T.macro: the start of a forward's consumer (of a token): its registers raised to consumer_regs (setmaxnreg;
+    not with set_regs False -- a persistent kernel raises them once, before its loop over tokens), acc and the row
+    sums zeroed, the running max at M_FLOOR, then the wait for q (bar_q at parity q_phase)."""
     import tilelang.language as T
 
     @T.macro
-    def run(acc, l_run, m_run, bar_q):
-        T.set_max_nreg(consumer_regs, 1)
+    def run(acc, l_run, m_run, bar_q, q_phase):
+        if set_regs:
+            T.set_max_nreg(consumer_regs, 1)
         T.fill(acc, 0)
         T.fill(l_run, 0)
         T.fill(m_run, M_FLOOR)
-        T.barrier_wait(bar_q, 0)
+        T.barrier_wait(bar_q, q_phase)
 
     return run
 
@@ -282,16 +285,17 @@ def consumer_prologue(consumer_regs: int):
 def consumer_epilogue(c: int, half: int):
     """T.macro: the end of a forward's consumer c: both consumers' row sums added (l_sh: their shared row vectors,
     complete at bar_l), its output columns c * half .. divided by them (0 for rows without keys) and written, and
-    lse (natural log, -inf for rows without keys) written by consumer 0."""
+    lse (natural log, -inf for rows without keys) written by consumer 0; l_phase: bar_l's parity (a persistent
+    kernel's token count so far, mod 2)."""
     import tilelang.language as T
 
     cols = slice(c * half, (c + 1) * half)
 
     @T.macro
-    def run(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l):
+    def run(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l, l_phase):
         T.copy(l_run, l_sh[c])
         T.barrier_arrive(bar_l)
-        T.barrier_wait(bar_l, 0)
+        T.barrier_wait(bar_l, l_phase)
         for i in T.Parallel(HEAD_BLOCK):
             l_run[i] = l_run[i] + l_sh[1 - c][i]
         for i, j in T.Parallel(HEAD_BLOCK, half):
@@ -308,7 +312,8 @@ def consumer_epilogue(c: int, half: int):
 def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_scale: float, consumer_regs: int = 232,
                         producer_regs: int = 40, skip_unused: bool = True, block_n: int = BLOCK_N,
                         early_release: bool = False, bounded: bool = False, kv_hint=None, q_evict_first: bool = False,
-                        split_ready: bool = False, async_wgmma: bool = False, dtype: str = "bfloat16"):
+                        split_ready: bool = False, async_wgmma: bool = False, persistent: int = 0,
+                        dtype: str = "bfloat16"):
     """The TileLang prim_func of the warp-specialised forward (module docstring); same arguments as
     ``tilelang_sparse_mla.build_sparse_fwd``'s kernel.  heads % 64 == 0, topk % 128 == 0, d_rope == 64.
     consumer_regs / producer_regs: the per-thread registers of each role after setmaxnreg (multiples of 8); their
@@ -329,9 +334,19 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     consumer's products issued as asynchronous wgmma, waited for only where a result or a buffer is needed -- q k^T
     once after its three parts (``scores_product``), the pair's two p V products back to back, the even buffer freed
     after wait_wgmma(1) and the odd one after wait_wgmma(0) -- instead of the tensor pipe drained after each
-    ``T.gemm``; the same wgmma instructions in the same order, so the same results bit for bit."""
+    ``T.gemm``; the same wgmma instructions in the same order, so the same results bit for bit.
+    persistent (> 0): that many thread blocks (the GPU's SM count: one block per SM fits), each taking (token, head
+    block) items bx, bx + persistent, ... in turn (``persistent_items``), so that a token's fixed costs overlap the
+    previous token's work: the producer loads the next token's q by TMA once both consumers are done with the
+    current q (their last q k^T: the ``bar_qfree`` barrier) and gathers its first blocks into the buffers the
+    consumers free, while they finish the last p V and write the output.  Every barrier's parity counts on across
+    tokens.  Not with bounded (its per-token step counts would have to be summed)."""
     import tilelang.language as T
 
+    if persistent and (bounded or not isinstance(persistent, int) or isinstance(persistent, bool)
+                       or persistent < 0):
+        raise ValueError(f"persistent must be a positive int (thread blocks) without bounded, got {persistent!r} "
+                         f"(bounded {bounded})")
     if async_wgmma and not early_release:
         raise ValueError("async_wgmma needs early_release (its p V order: both consumers take the even block first)")
     if block_n not in (32, BLOCK_N):
@@ -360,7 +375,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     qk = scores_product(d_v, split_ready, async_wgmma)
     pv = T.wgmma_gemm if async_wgmma else T.gemm  # the p V products (async: waited for before each buffer's free)
     mask = masked_scores(block_n, c_log2)
-    start = consumer_prologue(consumer_regs)
+    start = consumer_prologue(consumer_regs, set_regs=not persistent)
 
     def consumer(c: int):
         """T.macro: consumer warpgroup c's whole part (block 2 it + c of each pair it, in kv buffer 2 set + c;
@@ -371,15 +386,21 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         end = consumer_epilogue(c, half)
 
         @T.macro
-        def run(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new, alpha,
-                l_run, l_blk, lse_f, n_it, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo):
-            start(acc, l_run, m_run, bar_q)
+        def token(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new,
+                  alpha, l_run, l_blk, lse_f, n_it, g0, k_ph, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l,
+                  bar_lo, bar_qfree):
+            """One token's part: g0 the steps of the tokens before it (0 unless persistent), k_ph its token count
+            mod 2 (bar_q's and bar_l's parity)."""
+            start(acc, l_run, m_run, bar_q, k_ph)
             for it0 in T.serial(n_it):
                 for st in set_ids:  # a Python tuple: unrolled, buffer indices stay Python ints
                     it = it0 * sets + st
-                    ph = it & 1
+                    ph = (g0 * sets + it) & 1
                     mine, other = 2 * st + c, 2 * st + o
-                    qk(q_lat, q_rope, k_lat[mine], k_rope[mine], s, bar_lo, bar_ready, mine, it0 & 1)
+                    qk(q_lat, q_rope, k_lat[mine], k_rope[mine], s, bar_lo, bar_ready, mine, (g0 + it0) & 1)
+                    if persistent and st == sets - 1:  # its last q k^T done: q's buffers free for the next token
+                        if it0 == n_it - 1:
+                            T.barrier_arrive(bar_qfree)
                     mask(Idx, tok, (2 * it + c) * block_n, n_kv, s, m_new)
                     if c == 0:  # publish max(previous max, this tile's max), then take the block pair's max
                         for i in T.Parallel(HEAD_BLOCK):
@@ -430,14 +451,50 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         T.gemm(p_of[other], k_lat[other][:, cols], acc)
                         T.barrier_arrive(bar_free[2 * st])
                         T.barrier_arrive(bar_free[2 * st + 1])
-            end(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l)
+            end(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l, k_ph)
+
+        @T.macro
+        def run(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new, alpha,
+                l_run, l_blk, lse_f, n_it, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo,
+                bar_qfree):
+            """The consumer's whole part: the token and first head of this thread block, or with persistent (tok:
+            the thread block, h0 unused) those of each item it takes in turn."""
+            tiles = (Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new, alpha, l_run,
+                     l_blk, lse_f, n_it)
+            bars = (bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo, bar_qfree)
+            if persistent:
+                T.set_max_nreg(consumer_regs, 1)
+                for k in T.serial(items(tok)):
+                    token(*item_of(tok, k), *tiles, k * n_outer, k & 1, *bars)
+            else:
+                token(tok, h0, *tiles, 0, 0, *bars)
 
         return run
+
+    def items(bx):
+        """The items (token, head block) thread block bx of a persistent kernel takes: bx, bx + persistent, ..."""
+        return T.max(T.floordiv(n_q * hb_n - bx + persistent - 1, persistent), 0)
+
+    def item_of(bx, k):
+        """(token, first head) of thread block bx's k-th item."""
+        w = bx + k * persistent
+        return w // hb_n, (w % hb_n) * HEAD_BLOCK
 
     consumer0, consumer1 = consumer(0), consumer(1)
     fill = buffer_filler(block_n, d_v, skip_unused, kv_hint, split_ready)
     load_q = query_tma_loader(d_v, q_evict_first)
     n_buf = 2 * sets
+
+    @T.macro
+    def produce(KV, Idx, tok, g0, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free, bar_lo, bar_ready):
+        """The producer's gathers of one token: block 2 it + b into buffer 2 set + b (g0: the steps of the tokens
+        before it, for the free barriers' parity)."""
+        for it0 in T.serial(n_it):
+            for st in set_ids:  # Python-unrolled
+                for b in (0, 1):
+                    buf = 2 * st + b
+                    fill(KV, Idx, tok, (2 * (it0 * sets + st) + b) * block_n, it0, n_kv, k_lat[buf], k_rope[buf], r0,
+                         col, row, bar_free, ((g0 + it0) & 1) ^ 1, bar_lo, bar_ready, buf)
 
     @T.prim_func
     def sparse_mla_fwd_ws_kernel(
@@ -448,7 +505,9 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         Out: T.Tensor((n_q, heads, d_v), dtype),
         Lse: T.Tensor((n_q, heads), acc_t),
     ):
-        with T.Kernel(n_q, hb_n, threads=3 * wg, prelude=kernel_prelude(kv_hint)) as (tok, hb):
+        # persistent: a 1-D grid of that many thread blocks (tok: the block; ``hb`` unused)
+        with T.Kernel(*((persistent, 1) if persistent else (n_q, hb_n)), threads=3 * wg,
+                      prelude=kernel_prelude(kv_hint)) as (tok, hb):
             q_lat = T.alloc_shared((HEAD_BLOCK, d_v), dtype)
             q_rope = T.alloc_shared((HEAD_BLOCK, d_rope), dtype)
             # kv buffer b of set st holds block 2 (sets it0 + st) + b; with 64-row blocks its rope part then holds
@@ -475,7 +534,10 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 n_it = T.alloc_var(idx_t)
                 n_it = T.min(Ends[tok], n_outer)
 
-            bar_q = T.alloc_barrier(arrive_count=3 * wg)
+            # q loaded: by every thread, or (persistent) by the producer, token after token
+            bar_q = T.alloc_barrier(arrive_count=wg if persistent else 3 * wg)
+            # persistent: both consumers done with a token's q (its last q k^T); None otherwise
+            bar_qfree = T.alloc_barrier(arrive_count=2 * wg) if persistent else None
             bar_ready = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * n_buf)  # kv buffer b gathered
             # split_ready: the first latent half of kv buffer b gathered (None without it: a macro argument bound to
             # bar_ready would rename that barrier in the source)
@@ -488,15 +550,16 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
             h0 = hb * HEAD_BLOCK
             tx = T.get_thread_binding()
-            load_q(Q, tok, h0, q_lat, q_rope, bar_q)
-            T.barrier_arrive(bar_q)
+            if not persistent:
+                load_q(Q, tok, h0, q_lat, q_rope, bar_q)
+                T.barrier_arrive(bar_q)
 
             # buffer b's / consumer c's shared tiles (indexed by b or c in the roles below)
             k_lat = (k0_lat, k1_lat, k2_lat, k3_lat)[:n_buf]
             k_rope = (k0_rope, k1_rope, k2_rope, k3_rope)[:n_buf]
             p_of = k_rope if p_in_rope else (p0_sh, p1_sh, p0_sh, p1_sh)[:n_buf]  # buffer b's block's p tile
             m_sh, l_sh = (m0_sh, m1_sh), (l0_sh, l1_sh)
-            bars = (bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo)
+            bars = (bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo, bar_qfree)
             # one if / elif / else chain: separate ifs make TileLang put a block-wide __syncthreads between the roles
             if tx < wg:
                 consumer0(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s0, acc0, m_run0,
@@ -509,12 +572,16 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 p = tx - 2 * wg
                 r0 = p // 8
                 col = (p % 8) * 8
-                for it0 in T.serial(n_it):
-                    for st in set_ids:  # Python-unrolled
-                        for b in (0, 1):
-                            buf = 2 * st + b
-                            fill(KV, Idx, tok, (2 * (it0 * sets + st) + b) * block_n, it0, n_kv, k_lat[buf],
-                                 k_rope[buf], r0, col, row, bar_free, (it0 & 1) ^ 1, bar_lo, bar_ready, buf)
+                if persistent:  # each item: its q once the consumers are done with the previous one's, then its kv
+                    for k in T.serial(items(tok)):
+                        w_tok, w_h0 = item_of(tok, k)
+                        T.barrier_wait(bar_qfree, (k & 1) ^ 1)
+                        load_q(Q, w_tok, w_h0, q_lat, q_rope, bar_q)
+                        T.barrier_arrive(bar_q)
+                        produce(KV, Idx, w_tok, k * n_outer, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free, bar_lo,
+                                bar_ready)
+                else:
+                    produce(KV, Idx, tok, 0, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free, bar_lo, bar_ready)
 
     return sparse_mla_fwd_ws_kernel
 
@@ -543,6 +610,11 @@ WS_WHOLE_BLOCKS_CONFIG = dict(WS_CONFIG, split_ready=False)
 #: the consumers' products as asynchronous wgmma, waited for only where a result or a buffer is needed (session 20;
 #: not yet run on a GPU: opt-in, a benchmark row, bitwise the default by construction -- the GPU tests check it)
 WS_ASYNC_CONFIG = dict(WS_CONFIG, async_wgmma=True)
+#: persistent thread blocks, one per SM (``persistent`` True: the wrapper puts in the GPU's SM count), each taking
+#: token after token so that the next token's q load and first gathers overlap the current one's last products and
+#: output (session 21; opt-in until measured: a benchmark round row), and the same with asynchronous wgmma
+WS_PERSISTENT_CONFIG = dict(WS_CONFIG, persistent=True)
+WS_PERSISTENT_ASYNC_CONFIG = dict(WS_PERSISTENT_CONFIG, async_wgmma=True)
 
 
 build_sparse_fwd_ws.takes_ends = True  # the kernel's 4th argument is Ends (a placeholder unless bounded)
