@@ -206,6 +206,17 @@ def _fwd_bwd_rows(p, reps, add, tsm, variants=None, baseline=None):
     return out, lse
 
 
+def _slot_ends_rows(p, reps, add):
+    """The loop bounds of the bounded kernels and the padding skips (triton_sparse_mla.used_slot_ends at 128-slot
+    steps) on this problem's top-k list: the one-pass kernel, and the torch form it replaced (session 21)."""
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    n_keys = p.kv.shape[0]
+    add("used_slot_ends (one-pass kernel)", timed(lambda: tsm.used_slot_ends(p.indices, n_keys, 128), p.refill, reps))
+    add("used_slot_ends (torch form, 8 kernels)", timed(lambda: tsm.slot_ends_torch(p.indices, n_keys, 128),
+                                                        p.refill, reps))
+
+
 def _dense_bwd_rows(p, out, lse, reps, add, match=None):
     """Our TileLang scores kernel + cuBLAS (``--attn tilelang``'s backward), each mode, with and without the KL
     target's head sums; rows where the dense formulation does not apply say that the Triton backward ran.
@@ -362,7 +373,8 @@ def fwd_round_configs():
     consumers, each kv block gathered in two halves), whole blocks, the L2 hints (KV_HINTS), the products as
     asynchronous wgmma (WS_ASYNC_CONFIG), persistent thread blocks (one per SM, token after token; also with async
     wgmma), bounded (each query stops after its last used slot: the causal padding of early tokens not computed; 10 %
-    slower in session 20, cause not found) and the staggered consumers (tilelang_sparse_mla_staggered), last."""
+    slower in session 20; its loop bounds' cost cut in session 21) and the staggered consumers
+    (tilelang_sparse_mla_staggered), last."""
     from megatron_glm5.ops import tilelang_sparse_mla_staggered as stg
     from megatron_glm5.ops import tilelang_sparse_mla_ws as ws
 
@@ -440,6 +452,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
                 [c for c in configs if not c[1].get("bounded")], reps, p.fwd_flop, rounds)
 
     if fwd_only:  # our TileLang forward's configurations alone (FlashMLA's in the same run when it is built here)
+        _slot_ends_rows(p, reps, add)
         if has_tilelang:
             ws_forward_rows(unused_too=True)
         _flashmla_row(p, reps, add)
@@ -447,6 +460,7 @@ def bench(seq, reps, with_reference, log, peak=PEAK_TFLOPS, tilelang_examples=No
         return rows
     if bwd_only:  # the sparse MLA rows alone: the forward, then every backward variant (ours in TileLang too)
         out, lse = _fwd_bwd_rows(p, reps, add, tsm, bwd_variants, baseline)
+        _slot_ends_rows(p, reps, add)
         if has_tilelang:
             ws_forward_rows()
             _dense_bwd_rows(p, out, lse, reps, add, dense_match)

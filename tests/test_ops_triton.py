@@ -114,6 +114,7 @@ def build_cases():
     cases["complement_zero"] = dict(kind="complement_zero", n_q=6, h=2, pieces=[[(0, 2, 4), (2, 4, 4), (4, 6, 9)]],
                                     indices=torch.tensor([[0, 2, -1], [3, -1, 1], [1, -1, -1], [-1, -1, -1],
                                                           [8, 0, 5], [7, 4, 2]], dtype=torch.int32))
+    cases["slot_ends"] = dict(kind="slot_ends", n_keys=SLOT_ENDS_KEYS, steps=(1, 7, 128), lists=slot_end_lists(g))
     for name, topk in KL_AFTER_TOPK:  # our indexer's top-k, then the KL (integer inputs: exact scores)
         ks, qe, n_k = LAYOUTS[name]()
         qi, ki, w = int_inputs(ks.numel(), n_k, 4, 16, g, dtype=torch.float32)
@@ -122,6 +123,49 @@ def build_cases():
         cases[f"kl_after_topk_{name}"] = dict(kind="kl_after_topk", q_idx=qi, k_idx=ki, weights=w, idx_scale=0.25,
                                               topk=topk, key_start=ks, query_end=qe, head_sums=hs)
     return cases
+
+
+SLOT_ENDS_KEYS = 50
+
+
+def slot_end_lists(g):
+    """Top-k lists for used_slot_ends: holes (-1) and keys past the key count (unused) anywhere, a row without keys,
+    a row used up to its last slot, int32 and int64, a strided view, no rows, one slot."""
+    lists = []
+    for dtype, (n, k) in ((torch.int32, (37, 300)), (torch.int64, (6, 2100)), (torch.int32, (0, 16)),
+                          (torch.int64, (9, 1))):
+        idx = torch.randint(-3, SLOT_ENDS_KEYS + 6, (n, k), generator=g).to(dtype)
+        if n > 3 and k > 10:
+            idx[1] = -1
+            idx[2, -1] = 0
+            idx[3, 10:] = torch.randint(SLOT_ENDS_KEYS, SLOT_ENDS_KEYS + 4, (k - 10,), generator=g)
+        lists.append(idx)
+    lists.append(lists[0][:, ::2])  # not contiguous
+    return lists
+
+
+def expected_slot_ends(idx, n_keys, step):
+    """One past each row's last used slot (0 <= key < n_keys), in steps rounded up: a loop over the rows."""
+    ends = []
+    for row in idx.tolist():
+        e = max([j + 1 for j, key in enumerate(row) if 0 <= key < n_keys], default=0)
+        ends.append(-(-e // step))
+    return ends
+
+
+def test_used_slot_ends_torch_form_counts_to_each_rows_last_used_slot():
+    """used_slot_ends on the CPU without the interpreter (its torch form) -- the loop's answer for every list and
+    step; a bad step or a 1-D list is refused."""
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    for idx in slot_end_lists(torch.Generator().manual_seed(3)):
+        for step in (1, 7, 128):
+            got = tsm.used_slot_ends(idx, SLOT_ENDS_KEYS, step)
+            assert got.dtype == torch.int32 and got.tolist() == expected_slot_ends(idx, SLOT_ENDS_KEYS, step)
+    for bad in (dict(indices=torch.zeros(4, dtype=torch.int32), n_keys=3), dict(
+            indices=torch.zeros(2, 4, dtype=torch.int32), n_keys=3, step=0)):
+        with pytest.raises(ValueError, match="used_slot_ends"):
+            tsm.used_slot_ends(**bad)
 
 
 @pytest.fixture(scope="module")
@@ -885,3 +929,30 @@ def test_zeroing_kernels_store_16_byte_vectors_for_sm90a():
         ptx, _, _ = _compile_for_sm90a(fn, sig, const, dict(num_warps=4, num_stages=1), divisible)
         stores = re.findall(r"st\.global[.\w]*", ptx)
         assert stores and set(stores) == {"st.global.v4.b32"}, (fn.__name__, sorted(set(stores)))
+
+
+@needs_triton
+def test_interp_used_slot_ends_kernel_counts_to_each_rows_last_used_slot(interp):
+    """The one-pass kernel (_slot_ends_kernel, under the interpreter): the loop's answer for every list and step."""
+    cases, results = interp
+    c = cases["slot_ends"]
+    for i, idx in enumerate(c["lists"]):
+        for step in c["steps"]:
+            got = results["slot_ends"][i, step]
+            assert got.dtype == torch.int32 and got.tolist() == expected_slot_ends(idx, c["n_keys"], step), (i, step)
+
+
+@gpu
+@needs_cuda
+def test_gpu_used_slot_ends_kernel_counts_to_each_rows_last_used_slot():
+    """The one-pass kernel on the GPU, at a GLM-5 list size too (4,096 x 2,048 with a causal -1 tail and holes)."""
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    g = torch.Generator().manual_seed(5)
+    causal = torch.randint(0, 4096, (4096, 2048), generator=g, dtype=torch.int32)
+    causal[torch.arange(2048)[None, :] > torch.arange(4096)[:, None]] = -1
+    causal[torch.rand(causal.shape, generator=g) < 0.01] = -1
+    for idx, n_keys in [(x, SLOT_ENDS_KEYS) for x in slot_end_lists(g)] + [(causal, 4096)]:
+        for step in (1, 128):
+            got = tsm.used_slot_ends(idx.cuda(), n_keys, step)
+            assert got.is_cuda and got.cpu().tolist() == expected_slot_ends(idx, n_keys, step), step

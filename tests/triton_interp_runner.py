@@ -193,7 +193,15 @@ def run_complement_zero(c):
     return dict(buffer=plan.buffers[0].clone(), p_off=plan.p_off)
 
 
-RUNNERS = {"complement_zero": run_complement_zero, "topk": run_topk, "mla": run_mla, "kl": run_kl,
+def run_slot_ends(c):
+    """used_slot_ends of each list of the case for each step (the one-pass kernel under the interpreter)."""
+    from megatron_glm5.ops import triton_sparse_mla as tsm
+
+    return {(i, step): tsm.used_slot_ends(idx, c["n_keys"], step) for i, idx in enumerate(c["lists"])
+            for step in c["steps"]}
+
+
+RUNNERS = {"slot_ends": run_slot_ends, "complement_zero": run_complement_zero, "topk": run_topk, "mla": run_mla, "kl": run_kl,
            "kl_given": run_kl_given, "backend": run_backend, "kl_after_topk": run_kl_after_topk}
 
 

@@ -126,7 +126,7 @@ def bounded_steps(indices: torch.Tensor, n_keys: int, step: int) -> torch.Tensor
     bound of our bounded warp-specialised kernels (the -1 padding of a causal top-k list is at its end)."""
     from .triton_sparse_mla import used_slot_ends
 
-    return ((used_slot_ends(indices, n_keys) + (step - 1)) // step).to(torch.int32)
+    return used_slot_ends(indices, n_keys, step)
 
 
 def check_tiles(heads: int, topk: int, block_n: int) -> None:

@@ -591,7 +591,8 @@ WS_CONFIG = dict(builder=build_sparse_fwd_ws, topk_multiple=STEP, consumer_regs=
                  fast_math=True, early_release=True, bounded=False, split_ready=True)
 #: the same kernel stopping after each query's last used slot: SLOWER on the H200 (3.01 vs 2.09 ms at S 4096,
 #: causal top-k 2048, although it computes a quarter fewer steps; the lowered source differs only in the loop bound
-#: and a bounds check, cause not found; session 11, docs/performance.md), kept for the benchmark's comparison
+#: and a bounds check; session 11, docs/performance.md; its loop bounds were computed by eight torch kernels over
+#: the whole list until session 21 -- docs/design.md), kept for the benchmark's comparison
 WS_BOUNDED_CONFIG = dict(WS_CONFIG, bounded=True)
 #: the same kernel with exact exp2f (TileLang's fast-math pass off), for the benchmark's comparison
 WS_EXACT_CONFIG = dict(WS_CONFIG, fast_math=False)

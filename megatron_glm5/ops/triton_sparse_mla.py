@@ -547,12 +547,49 @@ def _segment_reduce_into(dkv: torch.Tensor, buf: torch.Tensor, idx_chunk: torch.
     )
 
 
-def used_slot_ends(indices: torch.Tensor, n_keys: int) -> torch.Tensor:
-    """int32 [T]: one past each query's last used top-k slot (0 for a query without keys)."""
+@triton.jit
+def _slot_ends_kernel(IDX, OUT, n_rows, topk, stride, n_keys, step, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """OUT[t] = ceil(e / step), e one past row t's last used slot (0 without one): one read of the list."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = rows < n_rows
+    last = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for k0 in range(0, topk, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        m = live[:, None] & (cols < topk)[None, :]
+        idx = tl.load(IDX + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=m, other=-1)
+        used = (idx >= 0) & (idx < n_keys)
+        last = tl.maximum(last, tl.max(tl.where(used, cols[None, :] + 1, 0), axis=1))
+    tl.store(OUT + rows, (last + step - 1) // step, mask=live)
+
+
+def used_slot_ends(indices: torch.Tensor, n_keys: int, step: int = 1) -> torch.Tensor:
+    """int32 [T]: one past each query's last used top-k slot (0 for a query without keys), in units of ``step``
+    slots rounded up (step 1: slots).  On a GPU (or under Triton's interpreter) one kernel that reads the list once
+    (_slot_ends_kernel: 4 bytes per slot), where the torch form below moves about 19 bytes per slot in eight kernels
+    -- at S 32768 and top-k 2048 about 1.3 GB per call, and the TileLang backward, the bounded forward and the
+    indexer KL's padding skip each call it per layer."""
+    if indices.dim() != 2 or step < 1:
+        raise ValueError(f"used_slot_ends: indices [T, topk] and step >= 1, got {tuple(indices.shape)} / {step}")
+    n_q, k = indices.shape
+    if indices.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        out = torch.empty(n_q, dtype=torch.int32, device=indices.device)
+        if n_q:
+            idx = indices if indices.stride(1) == 1 else indices.contiguous()
+            block_t = 8
+            _slot_ends_kernel[(triton.cdiv(n_q, block_t),)](
+                idx, out, n_q, k, idx.stride(0), n_keys, step, BLOCK_T=block_t,
+                BLOCK_K=min(512, max(16, triton.next_power_of_2(max(k, 1)))), num_warps=4)
+        return out
+    return slot_ends_torch(indices, n_keys, step)
+
+
+def slot_ends_torch(indices: torch.Tensor, n_keys: int, step: int = 1) -> torch.Tensor:
+    """used_slot_ends in torch ops (the CPU's form; the GPU's before session 21, which benchmarks/dsa_kernels.py
+    times against the kernel)."""
     used = (indices >= 0) & (indices < n_keys)
-    k = indices.shape[1]
-    last = k - used.flip(-1).to(torch.int8).argmax(-1)
-    return torch.where(used.any(-1), last, 0).to(torch.int32).contiguous()
+    last = indices.shape[1] - used.flip(-1).to(torch.int8).argmax(-1)
+    ends = torch.where(used.any(-1), last, 0)
+    return ((ends + (step - 1)) // step).to(torch.int32).contiguous()
 
 
 def _dense_rows(n_q: int, n_keys: int, h: int, elt: int, cfg: dict) -> int:
