@@ -5,7 +5,7 @@
 
 Ops: ``fwd`` -- our warp-specialised TileLang forward in one of the configurations that benchmarks/dsa_kernels.py
 times in rounds (--config: default, whole blocks, L2 hints, async wgmma, persistent, persistent async,
-bounded, staggered); ``--unused`` gives it every top-k
+persistent bounded, bounded, staggered); ``--unused`` gives it every top-k
 slot unused (nothing gathered after the first block pair, every product still run: its counters without the
 gathers; not with bounded, which then runs no step);
 ``bwd`` -- the ``--attn tilelang`` backward (our scores kernel + cuBLAS; --pieces N: BWD_CONFIG DENSE_PIECE_ROWS).

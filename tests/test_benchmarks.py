@@ -167,7 +167,7 @@ def test_interleaved_rounds_time_every_configuration_once_per_round(monkeypatch)
 
 def test_forward_rounds_time_the_default_first_and_each_variant_once():
     """dsa_kernels.fwd_round_configs (the --fwd-only / --bwd-only forward rows): our backend's forward first, then
-    whole blocks, the L2 hints, the asynchronous wgmma, persistent (also with async wgmma), bounded and the staggered
+    whole blocks, the L2 hints, the asynchronous wgmma, persistent (also async, bounded), bounded and the staggered
     schedule, each a complete configuration (its own builder) under a label of its own."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import dsa_kernels as kernels
@@ -176,10 +176,11 @@ def test_forward_rounds_time_the_default_first_and_each_variant_once():
 
     configs = kernels.fwd_round_configs()
     labels = [label for label, _ in configs]
-    assert len(set(labels)) == len(labels) == 8
+    assert len(set(labels)) == len(labels) == 9
     assert configs[0][1] is ws.WS_CONFIG
     assert [c for _, c in configs[1:]] == [ws.WS_WHOLE_BLOCKS_CONFIG, ws.WS_L2_HINTS_CONFIG, ws.WS_ASYNC_CONFIG,
                                            ws.WS_PERSISTENT_CONFIG, ws.WS_PERSISTENT_ASYNC_CONFIG,
+                                           ws.WS_PERSISTENT_BOUNDED_CONFIG,
                                            ws.WS_BOUNDED_CONFIG, stg.WS_STAGGERED_CONFIG]
     assert all("builder" in c for _, c in configs)
 
@@ -194,7 +195,7 @@ def test_ncu_target_names_the_forward_rounds_configurations_and_checks_its_flags
 
     names = ncu_target.forward_configs()
     assert list(names) == ["default", "whole blocks", "L2 hints", "async wgmma", "persistent", "persistent async",
-                           "bounded", "staggered"]
+                           "persistent bounded", "bounded", "staggered"]
     assert list(names.values()) == [c for _, c in kernels.fwd_round_configs()]
     args = ncu_target.parse(["--op", "fwd", "--config", "staggered", "--unused"])
     assert (args.seq, args.config, args.unused) == (32768, "staggered", True)

@@ -454,7 +454,8 @@ GPU_CONFIGS = dict(CONFIGS, ws=tlws.WS_CONFIG, ws_bounded=tlws.WS_BOUNDED_CONFIG
                    ws32_early=tlws.WS32_EARLY_CONFIG, ws_l2_hints=tlws.WS_L2_HINTS_CONFIG,
                    ws_l2_256b=tlws.WS_L2_256B_CONFIG, ws_whole_blocks=tlws.WS_WHOLE_BLOCKS_CONFIG,
                    ws_async=tlws.WS_ASYNC_CONFIG, ws_persistent=tlws.WS_PERSISTENT_CONFIG,
-                   ws_persistent_async=tlws.WS_PERSISTENT_ASYNC_CONFIG, ws_staggered=tls.WS_STAGGERED_CONFIG)
+                   ws_persistent_async=tlws.WS_PERSISTENT_ASYNC_CONFIG,
+                   ws_persistent_bounded=tlws.WS_PERSISTENT_BOUNDED_CONFIG, ws_staggered=tls.WS_STAGGERED_CONFIG)
 
 
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG,
@@ -611,14 +612,16 @@ def test_gpu_tilelang_bounded_forward_equals_every_step(layout):
 @gpu
 @needs_gpu_tilelang
 def test_gpu_gather_variants_are_bitwise_the_default_forward():
-    """The kv block gathered whole (split_ready False) or in two halves (the default), the L2 hints, and the
-    products as asynchronous wgmma (waited for only where needed) change when data arrives, how long it stays in L2
-    and when the consumers wait, not one product: out and lse equal the default's bit for bit at GLM-5 shapes."""
+    """The kv block gathered whole (split_ready False) or in two halves (the default), the L2 hints, the products as
+    asynchronous wgmma (waited for only where needed) and persistent thread blocks (also async, bounded) change when
+    data arrives, how long it stays in L2, when the consumers wait and which block takes a token, not one product:
+    out and lse equal the default's bit for bit at GLM-5 shapes."""
     from test_ops_triton import gpu_sparse_problem
 
     pr = gpu_sparse_problem("causal", seed=31)
     want = tlm.tilelang_sparse_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV, config=tlws.WS_CONFIG)
-    for name in ("ws_whole_blocks", "ws_l2_hints", "ws_l2_256b", "ws_async", "ws_persistent", "ws_persistent_async"):
+    for name in ("ws_whole_blocks", "ws_l2_hints", "ws_l2_256b", "ws_async", "ws_persistent", "ws_persistent_async",
+                 "ws_persistent_bounded"):
         got = tlm.tilelang_sparse_fwd(pr.q, pr.kv, pr.idx, pr.scale, DV, config=GPU_CONFIGS[name])
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), name
 
@@ -629,13 +632,14 @@ def test_gpu_gather_variants_are_bitwise_the_default_forward():
 def test_gpu_persistent_forward_any_grid_is_bitwise_the_default(topk):
     """The persistent forward (thread blocks taking token after token, every barrier's parity counted on across
     tokens) equals the default bit for bit for a grid smaller than the tokens (each block 42 or 43 tokens), one
-    larger (an idle block), with asynchronous wgmma too, and top-k lists of one and three 128-slot steps per token
-    (odd step counts: the parities do not repeat from token to token; two steps and the SM-count grid: the padded
-    heads test), with rows that select no key and padded heads."""
+    larger (an idle block), with asynchronous wgmma too, bounded (steps summed per block; a row without keys has no
+    step and frees its q at once), and top-k lists of one and three 128-slot steps per token (odd step counts: the
+    parities do not repeat from token to token; two steps and the SM-count grid: the padded heads test), with rows
+    that select no key and padded heads."""
     q, kv, idx = _inputs(300, 500, 16, topk, seed=41, empty_rows=(0, 7, 299))
     q, kv, idx = q.cuda(), kv.cuda(), idx.cuda()
     want = tlm.tilelang_sparse_fwd(q, kv, idx, 0.04, DV, config=tlws.WS_CONFIG)
-    for grid, extra in ((7, {}), (301, {}), (7, dict(async_wgmma=True))):
+    for grid, extra in ((7, {}), (301, {}), (7, dict(async_wgmma=True)), (7, dict(bounded=True))):
         cfg = dict(tlws.WS_CONFIG, persistent=grid, **extra)
         out = torch.full((300, 16, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
         lse = torch.full((300, 16), float("nan"), device="cuda")

@@ -210,7 +210,8 @@ def test_persistent_forward_loads_the_next_q_once_both_consumers_are_done_with_t
     for bar_qfree -- which each consumer arrives on once per item, right after its last q k^T and before the mask --
     with bar_q counting the producer's 128 threads; the parities of bar_q and bar_l follow the item count, those of
     the kv buffers the steps of all items so far; the per-token code is the default's (same products); ptxas
-    spills nothing. The builder refuses persistent with bounded."""
+    spills nothing; with bounded each role sums its items' steps read from Ends and a token without a step frees its
+    q at once. A grid that is not a positive int is refused."""
     from test_ops_tilelang import nvcc_cubin
 
     def lower(**kw):
@@ -237,8 +238,22 @@ def test_persistent_forward_loads_the_next_q_once_both_consumers_are_done_with_t
         free = re.findall(r"if \(\(?it\w* == 15\)?\) \{\s*bar_qfree\[0\]\.arrive\(\);", part)
         assert len(free) == 1 and part.count("bar_qfree") == 1
         assert part.index("tl::wgmma_ss<") < part.index("bar_qfree") < part.index("Idx[")
-    with pytest.raises(ValueError, match="persistent must be a positive int"):
-        tlws.build_sparse_fwd_ws(64, 512, 64, 2048, 576 ** -0.5, persistent=132, bounded=True)
+    for bad in (True, -4, 1.5):
+        with pytest.raises(ValueError, match="persistent must be a positive int"):
+            tlws.build_sparse_fwd_ws(64, 512, 64, 2048, 576 ** -0.5, persistent=bad)
+    report = nvcc_cubin(tmp_path, src)
+    if report is not None:
+        assert " 0 bytes spill stores" in report, report
+    # bounded too: each role reads the item's steps from Ends and sums them for the kv buffers' parities; a token
+    # without a step frees its q at once
+    src = lower(persistent=132, bounded=True)
+    *consumers, producer = role_sources(src)
+    for part, steps in ((consumers[0], "steps0"), (consumers[1], "steps1"), (producer, "steps_p")):
+        k = re.search(r"for \(int (k\w*) = 0", part).group(1)
+        assert f"{steps}[1] = 0;" in part and f"{steps}[1] = ({steps}[1] + {steps}[0]);" in part
+        assert re.search(rf"{steps}\[0\] = min\(Ends\[\(\(\(\(int64_t\){k}\) \* \(int64_t\)132\) \+", part), part[:600]
+    for part in consumers:
+        assert part.count("bar_qfree[0].arrive()") == 2 and re.search(r"if \(\(?n_it\w* == 0\)?\) \{\s*bar_qfree", part)
     report = nvcc_cubin(tmp_path, src)
     if report is not None:
         assert " 0 bytes spill stores" in report, report

@@ -56,7 +56,7 @@ from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, ch
 __all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG",
            "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG", "WS_L2_HINTS_CONFIG", "WS_L2_256B_CONFIG",
            "WS_WHOLE_BLOCKS_CONFIG", "WS_ASYNC_CONFIG", "WS_PERSISTENT_CONFIG",
-           "WS_PERSISTENT_ASYNC_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler",
+           "WS_PERSISTENT_ASYNC_CONFIG", "WS_PERSISTENT_BOUNDED_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler",
            "build_sparse_fwd_ws", "check_kv_hint", "consumer_epilogue", "consumer_prologue", "consumer_tiles",
            "kernel_prelude", "masked_scores", "query_tma_loader", "row_exchange_buffers", "scores_product",
            "tilelang_sparse_fwd_ws", "ws_fits"]
@@ -336,17 +336,16 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     after wait_wgmma(1) and the odd one after wait_wgmma(0) -- instead of the tensor pipe drained after each
     ``T.gemm``; the same wgmma instructions in the same order, so the same results bit for bit.
     persistent (> 0): that many thread blocks (the GPU's SM count: one block per SM fits), each taking (token, head
-    block) items bx, bx + persistent, ... in turn (``persistent_items``), so that a token's fixed costs overlap the
-    previous token's work: the producer loads the next token's q by TMA once both consumers are done with the
-    current q (their last q k^T: the ``bar_qfree`` barrier) and gathers its first blocks into the buffers the
-    consumers free, while they finish the last p V and write the output.  Every barrier's parity counts on across
-    tokens.  Not with bounded (its per-token step counts would have to be summed)."""
+    block) items bx, bx + persistent, ... in turn, so that a token's fixed costs overlap the previous token's work:
+    the producer loads the next token's q by TMA once both consumers are done with the current q (their last q k^T:
+    the ``bar_qfree`` barrier) and gathers its first blocks into the buffers the consumers free, while they finish
+    the last p V and write the output.  Every barrier's parity counts on across tokens; with bounded each role sums
+    its items' step counts (read from Ends per item) for the kv buffers' parities, and a token without a step frees
+    its q at once."""
     import tilelang.language as T
 
-    if persistent and (bounded or not isinstance(persistent, int) or isinstance(persistent, bool)
-                       or persistent < 0):
-        raise ValueError(f"persistent must be a positive int (thread blocks) without bounded, got {persistent!r} "
-                         f"(bounded {bounded})")
+    if persistent and (not isinstance(persistent, int) or isinstance(persistent, bool) or persistent < 0):
+        raise ValueError(f"persistent must be a positive int (thread blocks), got {persistent!r}")
     if async_wgmma and not early_release:
         raise ValueError("async_wgmma needs early_release (its p V order: both consumers take the even block first)")
     if block_n not in (32, BLOCK_N):
@@ -451,23 +450,35 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         T.gemm(p_of[other], k_lat[other][:, cols], acc)
                         T.barrier_arrive(bar_free[2 * st])
                         T.barrier_arrive(bar_free[2 * st + 1])
+            if persistent and bounded:  # a token without a step: its q is free at once
+                if n_it == 0:
+                    T.barrier_arrive(bar_qfree)
             end(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l, k_ph)
 
         @T.macro
-        def run(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new, alpha,
-                l_run, l_blk, lse_f, n_it, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo,
-                bar_qfree):
+        def run(tok, h0, Idx, Ends, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new,
+                alpha, l_run, l_blk, lse_f, n_it, steps, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l,
+                bar_lo, bar_qfree):
             """The consumer's whole part: the token and first head of this thread block, or with persistent (tok:
-            the thread block, h0 unused) those of each item it takes in turn."""
+            the thread block, h0 unused) those of each item it takes in turn (persistent and bounded: ``steps`` its
+            own [this item's steps, the steps of its items before it])."""
             tiles = (Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new, alpha, l_run,
-                     l_blk, lse_f, n_it)
+                     l_blk, lse_f)
             bars = (bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo, bar_qfree)
             if persistent:
                 T.set_max_nreg(consumer_regs, 1)
-                for k in T.serial(items(tok)):
-                    token(*item_of(tok, k), *tiles, k * n_outer, k & 1, *bars)
+                if bounded:
+                    steps[1] = 0
+                    for k in T.serial(items(tok)):
+                        w_tok, w_h0 = item_of(tok, k)
+                        steps[0] = T.min(Ends[w_tok], n_outer)
+                        token(w_tok, w_h0, *tiles, steps[0], steps[1], k & 1, *bars)
+                        steps[1] = steps[1] + steps[0]
+                else:
+                    for k in T.serial(items(tok)):
+                        token(*item_of(tok, k), *tiles, n_outer, k * n_outer, k & 1, *bars)
             else:
-                token(tok, h0, *tiles, 0, 0, *bars)
+                token(tok, h0, *tiles, n_it, 0, 0, *bars)
 
         return run
 
@@ -530,9 +541,13 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             s1, acc1, m_run1, m_new1, alpha1, l_run1, l_blk1 = consumer_tiles(block_n, half)
             row = T.alloc_local((1,), idx_t)  # the producer's gathered kv row (block_gatherer)
             n_it = n_outer  # the steps of this query (a Python int unless bounded)
-            if bounded:
+            if bounded and not persistent:
                 n_it = T.alloc_var(idx_t)
                 n_it = T.min(Ends[tok], n_outer)
+            # persistent and bounded: each role's [this item's steps, the steps of its items before it]
+            steps0 = T.alloc_local((2,), idx_t) if persistent and bounded else None
+            steps1 = T.alloc_local((2,), idx_t) if persistent and bounded else None
+            steps_p = T.alloc_local((2,), idx_t) if persistent and bounded else None
 
             # q loaded: by every thread, or (persistent) by the producer, token after token
             bar_q = T.alloc_barrier(arrive_count=wg if persistent else 3 * wg)
@@ -562,24 +577,32 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             bars = (bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo, bar_qfree)
             # one if / elif / else chain: separate ifs make TileLang put a block-wide __syncthreads between the roles
             if tx < wg:
-                consumer0(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s0, acc0, m_run0,
-                          m_new0, alpha0, l_run0, l_blk0, lse_f, n_it, *bars)
+                consumer0(tok, h0, Idx, Ends, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s0, acc0,
+                          m_run0, m_new0, alpha0, l_run0, l_blk0, lse_f, n_it, steps0, *bars)
             elif tx < 2 * wg:
-                consumer1(tok, h0, Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s1, acc1, m_run1,
-                          m_new1, alpha1, l_run1, l_blk1, lse_f, n_it, *bars)
+                consumer1(tok, h0, Idx, Ends, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s1, acc1,
+                          m_run1, m_new1, alpha1, l_run1, l_blk1, lse_f, n_it, steps1, *bars)
             else:  # producer: gathers block 2 it + b into buffer 2 set + b
                 T.set_max_nreg(producer_regs, 0)
                 p = tx - 2 * wg
                 r0 = p // 8
                 col = (p % 8) * 8
                 if persistent:  # each item: its q once the consumers are done with the previous one's, then its kv
+                    if bounded:
+                        steps_p[1] = 0
                     for k in T.serial(items(tok)):
                         w_tok, w_h0 = item_of(tok, k)
                         T.barrier_wait(bar_qfree, (k & 1) ^ 1)
                         load_q(Q, w_tok, w_h0, q_lat, q_rope, bar_q)
                         T.barrier_arrive(bar_q)
-                        produce(KV, Idx, w_tok, k * n_outer, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free, bar_lo,
-                                bar_ready)
+                        if bounded:
+                            steps_p[0] = T.min(Ends[w_tok], n_outer)
+                            produce(KV, Idx, w_tok, steps_p[1], n_kv, k_lat, k_rope, r0, col, row, steps_p[0],
+                                    bar_free, bar_lo, bar_ready)
+                            steps_p[1] = steps_p[1] + steps_p[0]
+                        else:
+                            produce(KV, Idx, w_tok, k * n_outer, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free,
+                                    bar_lo, bar_ready)
                 else:
                     produce(KV, Idx, tok, 0, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free, bar_lo, bar_ready)
 
@@ -613,9 +636,12 @@ WS_WHOLE_BLOCKS_CONFIG = dict(WS_CONFIG, split_ready=False)
 WS_ASYNC_CONFIG = dict(WS_CONFIG, async_wgmma=True)
 #: persistent thread blocks, one per SM (``persistent`` True: the wrapper puts in the GPU's SM count), each taking
 #: token after token so that the next token's q load and first gathers overlap the current one's last products and
-#: output (session 21; opt-in until measured: a benchmark round row), and the same with asynchronous wgmma
+#: output (session 21; opt-in until measured: a benchmark round row), and the same with asynchronous wgmma / bounded
 WS_PERSISTENT_CONFIG = dict(WS_CONFIG, persistent=True)
 WS_PERSISTENT_ASYNC_CONFIG = dict(WS_PERSISTENT_CONFIG, async_wgmma=True)
+#: persistent and bounded: each token stops after its last used slot (its loop bounds now one pass over the top-k
+#: list, session 21), its steps summed per thread block for the barriers' parities
+WS_PERSISTENT_BOUNDED_CONFIG = dict(WS_PERSISTENT_CONFIG, bounded=True)
 
 
 build_sparse_fwd_ws.takes_ends = True  # the kernel's 4th argument is Ends (a placeholder unless bounded)
