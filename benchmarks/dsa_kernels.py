@@ -241,6 +241,8 @@ def _dense_bwd_rows(p, out, lse, reps, add, match=None):
                                                            split_ready=False))]
     # the scores kernel's q k^T and dO v^T as asynchronous wgmma, one wait per step (build_sparse_pds_ws)
     variants += [(det, ", head sums, async wgmma", hs, dict(async_wgmma=True)) for det in (False, True)]
+    # the scores kernel's thread blocks persistent (one per SM, token after token: build_sparse_pds_ws)
+    variants += [(det, ", head sums, persistent", hs, dict(persistent=True)) for det in (False, True)]
     # dkv's fp32 sums as before mm_fp32_add_: each product into an fp32 matrix of its own, then added
     variants += [(det, ", head sums, fp32 products added after", hs, dict(adds_after=True)) for det in (False, True)]
     if p.seq > 4096:  # the dense formulation where "auto" takes the Triton backward in atomic mode (DENSE_KEY_RATIO)

@@ -378,8 +378,9 @@ def test_gpu_dense_backward_in_pieces_matches_the_reference(layout, monkeypatch)
 @needs_gpu_tilelang
 def test_gpu_gather_variants_are_bitwise_the_default_backward():
     """The scores kernel gathering each kv block whole (split_ready False) or in two halves (the default), with
-    the L2 hints, or with its products as asynchronous wgmma: dq, dkv and the head sums equal the default's bit for
-    bit (the same products in the same order)."""
+    the L2 hints, with its products as asynchronous wgmma, or with persistent thread blocks (the SM count, and 7: 586
+    tokens each; bounded, the default, and every step): dq, dkv and the head sums equal the default's bit for bit
+    (the same products in the same order)."""
     from test_ops_triton import gpu_sparse_problem
 
     pr = gpu_sparse_problem("causal", seed=24)
@@ -388,12 +389,13 @@ def test_gpu_gather_variants_are_bitwise_the_default_backward():
     runs = {}
     for name, cfg in (("default", None), ("whole", dict(split_ready=False)),
                       ("hints", dict(kv_hint="evict_last", q_evict_first=True, split_ready=False)),
-                      ("async", dict(async_wgmma=True))):
+                      ("async", dict(async_wgmma=True)), ("persistent", dict(persistent=True)),
+                      ("persistent7", dict(persistent=7)), ("persistent_unbounded", dict(persistent=7, bounded=False))):
         hs = torch.full(pr.idx.shape, float("nan"), device="cuda")
         dq, dkv = tlbws.tilelang_sparse_bwd_dense(pr.q, pr.kv, pr.idx, out, lse, pr.d_out, None, pr.scale, DV,
                                                   deterministic=True, head_sums=hs, config=cfg)
         runs[name] = (dq, dkv, hs)
-    for name in ("whole", "hints", "async"):
+    for name in ("whole", "hints", "async", "persistent", "persistent7", "persistent_unbounded"):
         assert all(torch.equal(a, b) for a, b in zip(runs[name], runs["default"])), name
 
 

@@ -257,3 +257,42 @@ def test_persistent_forward_loads_the_next_q_once_both_consumers_are_done_with_t
     report = nvcc_cubin(tmp_path, src)
     if report is not None:
         assert " 0 bytes spill stores" in report, report
+
+
+def test_persistent_scores_kernel_loads_the_next_q_once_both_consumers_are_done_with_the_current(tmp_path):
+    """build_sparse_pds_ws(persistent=132) in the lowered source (bounded, the default): every role loops over its
+    thread block's items; q is TMA-loaded by the producer only, per item, after waiting for bar_qfree, which each
+    consumer arrives on after its last q k^T and dO v^T (or at once for a token without a step); each role reads an
+    item's steps from Ends and sums them for the kv buffers' parities; the ones matrix is written before the roles
+    split (a block-wide barrier between); the per-token products are the default's. Every step (bounded False):
+    the parities count k x 16 steps. A grid that is not a positive int is refused."""
+    from megatron_glm5.ops import tilelang_sparse_mla_bwd_ws as tlbws
+
+    def lower(**kw):
+        cfg = {k: v for k, v in dict(tlbws.PDS_WS_CONFIG, **kw).items() if k != "fast_math"}
+        return tlm.lower_to_cuda(tlbws.build_sparse_pds_ws(64, 512, 64, 2048, 576 ** -0.5, 64, 2048, **cfg))
+
+    default, src = lower(), lower(persistent=132)
+    prologue = src[:src.index("tl::warpgroup_reg_alloc<")]
+    assert "tma_load" not in prologue and "bar_q[0].init(128)" in prologue and "bar_qfree[0].init(256)" in prologue
+    assert "__syncthreads();" in prologue[prologue.index("ones)["):]  # the ones written before any role reads them
+    *consumers, producer = role_sources(src)
+    for part, steps in ((consumers[0], "steps0"), (consumers[1], "steps1"), (producer, "steps_p")):
+        k = re.search(r"for \(int (k\w*) = 0; \1 < \(\(\(\(n_q \+ 131\) - \(\(int\)blockIdx\.x\)\) / 132\)", part).group(1)
+        assert f"{steps}[1] = ({steps}[1] + {steps}[0]);" in part
+        assert re.search(rf"{steps}\[0\] = min\(Ends\[\(\(\(\(int64_t\){k}\) \* \(int64_t\)132\) \+", part)
+    k = re.search(r"for \(int (k\w*) = 0", producer).group(1)
+    assert producer.count("tma_load(") == 2 and producer.count("bar_q[0].arrive()") == 1
+    assert producer.index(f"bar_qfree[0].wait((({k} & 1) ^ 1))") < producer.index("tma_load(")
+    for was, part in zip(role_sources(default)[:2], consumers):
+        k = re.search(r"for \(int (k\w*) = 0", part).group(1)
+        assert part.count("tl::wgmma_") == was.count("tl::wgmma_") and "tma_load" not in part
+        assert f"bar_q[0].wait(({k} & 1))" in part and part.count("bar_qfree[0].arrive()") == 2
+        assert re.search(r"if \(\(?n_it\w* == 0\)?\) \{\s*bar_qfree", part)
+        assert part.index("tl::wgmma_") < part.index("bar_qfree") < part.index("Idx[")
+    every = lower(persistent=132, bounded=False)
+    k = re.search(r"for \(int (k\w*) = 0", role_sources(every)[2]).group(1)
+    assert f"bar_free[0].wait((((({k} * 16) +" in role_sources(every)[2] and "Ends[" not in every
+    for bad in (True, -1):
+        with pytest.raises(ValueError, match="persistent must be a positive int"):
+            tlbws.build_sparse_pds_ws(64, 512, 64, 2048, 576 ** -0.5, 64, 2048, persistent=bad)

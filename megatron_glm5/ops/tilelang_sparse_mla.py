@@ -121,6 +121,14 @@ def compiled_kernel(builder, *sizes, pass_configs: Optional[dict] = None, **cfg)
     return kernel
 
 
+def with_sm_grid(cfg: dict, device) -> dict:
+    """cfg with ``persistent`` True (a persistent kernel's grid: one thread block per SM) replaced by the SM count of
+    ``device``'s GPU; other configurations as they are."""
+    if cfg.get("persistent") is True:
+        return dict(cfg, persistent=torch.cuda.get_device_properties(device).multi_processor_count)
+    return cfg
+
+
 def bounded_steps(indices: torch.Tensor, n_keys: int, step: int) -> torch.Tensor:
     """Per query, the number of ``step``-slot steps up to its last used slot (int32 [T], on the device): the loop
     bound of our bounded warp-specialised kernels (the -1 padding of a causal top-k list is at its end)."""
@@ -284,8 +292,7 @@ def tilelang_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
         if getattr(cfg.get("builder"), "takes_ends", False):  # the warp-specialised kernel: its loop bounds
             args += (bounded_steps(indices, kv.shape[0], topk_multiple) if cfg.get("bounded") else
                      torch.zeros(1, dtype=torch.int32, device=q.device),)
-        if cfg.get("persistent") is True:  # the warp-specialised forward's persistent grid: a thread block per SM
-            cfg["persistent"] = torch.cuda.get_device_properties(q.device).multi_processor_count
+        cfg = with_sm_grid(cfg, q.device)
         kernel = _compiled(h_pad, d_v, d_rope, idx.shape[1], softmax_scale, cfg)
         kernel(*args, out_k, lse_k)
     if h_pad != h:

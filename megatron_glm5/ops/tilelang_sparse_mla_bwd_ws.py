@@ -33,6 +33,14 @@ padded heads, rows without keys, d_lse); S 4096 backward 6.84-7.03 ms (415-427 T
 cuBLAS GEMMs 2.84, the zero fills 0.80) against the Triton backward's 8.60-9.05 and cuDNN's 465 TFLOP/s
 (2026-11-30).  ptxas: 168 registers at launch, no spills.
 
+Persistent thread blocks (``persistent``, opt-in, session 21, not yet run on a GPU; benchmark rows ``dsa_kernels.py
+--bwd-only --dense-match persistent``): one per SM, each taking token after token as our persistent forward does
+(``tilelang_sparse_mla_ws.build_sparse_fwd_ws``) -- the producer loads the next token's q once both consumers are
+done with the current one and gathers its first blocks while they finish; each consumer loads the next token's dO,
+lse and Delta when done with its own part; each role sums its tokens' steps (read from Ends) for the barriers'
+parities.  ptxas (CUDA 13.0, TileLang's flags): 92 bytes spilled against the default's 12 (the loop state over
+tokens, in registers the consumers' dO already fills).
+
 Shared memory: q 72 KB + two kv buffers of 72 KB; registers: dO 128 per consumer thread + the two fp32 64 x 64
 tiles.  Needs heads % 64 == 0 (the wrapper pads; padded heads get lse -inf and write nothing), d_rope == 64, d_v
 % 128 == 0, bf16; the top-k slots are padded with -1 to a multiple of 128.
@@ -47,9 +55,9 @@ from . import host_windows
 from . import triton_sparse_mla as tsm
 from .base import pad_topk, warn_once
 from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, bounded_steps, check_tiles, compiled_kernel,
-                                  pop_pass_configs, tilelang_unsupported_reason)
-from .tilelang_sparse_mla_ws import (LAUNCH_REGS, PRODUCER_THREADS, buffer_filler, kernel_prelude, query_tma_loader,
-                                     scores_product)
+                                  pop_pass_configs, tilelang_unsupported_reason, with_sm_grid)
+from .tilelang_sparse_mla_ws import (LAUNCH_REGS, PRODUCER_THREADS, buffer_filler, check_persistent, kernel_prelude,
+                                     persistent_schedule, query_tma_loader, scores_product)
 
 __all__ = ["PDS_WS_CONFIG", "build_sparse_pds_ws", "pds_ws_unsupported_reason", "tilelang_sparse_bwd_dense"]
 
@@ -66,7 +74,7 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         topk_real: int, head_sums: bool = True, consumer_regs: int = 240, producer_regs: int = 24,
                         skip_unused: bool = True, write_pds: bool = True, staged: bool = True,
                         bounded: bool = True, kv_hint=None, q_evict_first: bool = False, split_ready: bool = False,
-                        async_wgmma: bool = False, dtype: str = "bfloat16"):
+                        async_wgmma: bool = False, persistent: int = 0, dtype: str = "bfloat16"):
     """The TileLang prim_func of the scores step (module docstring) for these static sizes: heads (a multiple of
     64) of which heads_real are real (the column of head h of query t is t * heads_real + h), topk slots (a multiple
     of 128) of which topk_real are the caller's (the head sums' row length).
@@ -83,9 +91,15 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     loads, and the block gathered in two halves (q k^T starts on the first), as in the forward
     (``tilelang_sparse_mla_ws.build_sparse_fwd_ws``).  async_wgmma: a step's q k^T (three parts) and dO v^T issued
     as asynchronous wgmma with one wait after the last, instead of a wait after each (the same products, so the same
-    results bit for bit; opt-in, session 20, not yet run on a GPU)."""
+    results bit for bit; opt-in, session 20, not yet run on a GPU).  persistent (> 0): that many thread blocks, each
+    taking (token, head block) items in turn as in our persistent forward (``build_sparse_fwd_ws``): the producer
+    loads the next item's q once both consumers are done with the current one (their last q k^T, ``bar_qfree``) and
+    gathers its first blocks while the consumers finish; the consumers load the next item's dO, lse and Delta as
+    soon as they are done with the current one; the barriers' parities count on across items (with bounded: each
+    role sums its items' steps).  Opt-in, session 21, not yet run on a GPU."""
     import tilelang.language as T
 
+    check_persistent(persistent)
     check_tiles(heads, topk, PAIR)
     if 2 * consumer_regs + producer_regs > 3 * LAUNCH_REGS or consumer_regs % 8 or producer_regs % 8:
         raise ValueError(f"consumer_regs ({consumer_regs}) x 2 + producer_regs ({producer_regs}) must be at most "
@@ -107,28 +121,33 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     hs_shape = (n_q, topk_real) if head_sums else (1, 1)  # without head sums: a 1 x 1 placeholder
 
     qk = scores_product(d_v, split_ready, async_wgmma, wait=False)
+    items, item_of = persistent_schedule(persistent, n_q, hb_n)
 
     def consumer(c: int):
         """T.macro: consumer warpgroup c's part (block 2 it + c of each step, in kv buffer c); do_f .. hsum: its
         own register tiles (tiles shared by two role branches lose one branch's work in TileLang's lowering)."""
 
         @T.macro
-        def run(tok, h0, dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do_f, s, dp, lse2, dlt,
-                hsum, n_it, bar_q, bar_ready, bar_free, bar_lo):
-            T.set_max_nreg(consumer_regs, 1)
+        def token(tok, h0, dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do_f, s, dp, lse2, dlt,
+                  hsum, n_it, g0, k_ph, bar_q, bar_ready, bar_free, bar_lo, bar_qfree):
+            """One token's part: g0 the steps of the tokens before it (0 unless persistent), k_ph its token count
+            mod 2 (bar_q's parity)."""
             T.copy(dO[tok, h0:h0 + HEAD_BLOCK, :], do_f)
             for i in T.Parallel(HEAD_BLOCK):
                 lse2[i] = T.if_then_else(Lse[tok, h0 + i] == -T.infinity(acc_t), T.infinity(acc_t),
                                          Lse[tok, h0 + i] * LOG2E)
                 dlt[i] = Delta[tok, h0 + i]
-            T.barrier_wait(bar_q, 0)
+            T.barrier_wait(bar_q, k_ph)
             for it in T.serial(n_it):
-                qk(q_lat, q_rope, k_lat[c], k_rope[c], s, bar_lo, bar_ready, c, it & 1)
+                qk(q_lat, q_rope, k_lat[c], k_rope[c], s, bar_lo, bar_ready, c, (g0 + it) & 1)
                 if async_wgmma:  # dO v^T in flight behind q k^T; one wait for both
                     T.wgmma_gemm(do_f, k_lat[c], dp, transpose_B=True, clear_accum=True)
                     T.wait_wgmma(0)
                 else:
                     T.gemm(do_f, k_lat[c], dp, transpose_B=True, clear_accum=True)
+                if persistent:  # its last q k^T done (waited for above): q's buffers free for the next token
+                    if it == n_it - 1:
+                        T.barrier_arrive(bar_qfree)
                 if not head_sums and not staged:
                     T.barrier_arrive(bar_free[c])
                 for i, j in T.Parallel(HEAD_BLOCK, BLOCK_N):
@@ -171,17 +190,51 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         if write_pds and (sel >= 0) and (sel < n_kv) and (h0 + i < heads_real):
                             DS[sel, tok, h0 + i] = T.cast(dp[i, j], dtype)
                             P[sel, tok, h0 + i] = T.cast(s[i, j], dtype)
+            if persistent and bounded:  # a token without a step: its q is free at once
+                if n_it == 0:
+                    T.barrier_arrive(bar_qfree)
             if head_sums and bounded:  # the blocks after the last used pair: no keys, head sums 0
                 for it2 in T.serial(n_pairs - n_it):
                     for j in T.Parallel(BLOCK_N):
                         if (2 * (n_it + it2) + c) * BLOCK_N + j < topk_real:
                             HS[tok, (2 * (n_it + it2) + c) * BLOCK_N + j] = T.cast(0, acc_t)
 
+        @T.macro
+        def run(tok, h0, dO, Idx, Ends, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do_f, s, dp, lse2,
+                dlt, hsum, n_it, steps, bar_q, bar_ready, bar_free, bar_lo, bar_qfree):
+            """The consumer's whole part: the token and first head of this thread block, or with persistent (tok:
+            the thread block, h0 unused) those of each item it takes in turn (persistent and bounded: ``steps`` its
+            own [this item's steps, the steps of its items before it])."""
+            tiles = (dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do_f, s, dp, lse2, dlt, hsum)
+            bars = (bar_q, bar_ready, bar_free, bar_lo, bar_qfree)
+            T.set_max_nreg(consumer_regs, 1)
+            if persistent and bounded:
+                steps[1] = 0
+                for k in T.serial(items(tok)):
+                    w_tok, w_h0 = item_of(tok, k)
+                    steps[0] = T.min(Ends[w_tok], n_pairs)
+                    token(w_tok, w_h0, *tiles, steps[0], steps[1], k & 1, *bars)
+                    steps[1] = steps[1] + steps[0]
+            elif persistent:
+                for k in T.serial(items(tok)):
+                    token(*item_of(tok, k), *tiles, n_pairs, k * n_pairs, k & 1, *bars)
+            else:
+                token(tok, h0, *tiles, n_it, 0, 0, *bars)
+
         return run
 
     consumer0, consumer1 = consumer(0), consumer(1)
     fill = buffer_filler(BLOCK_N, d_v, skip_unused, kv_hint, split_ready)
     load_q = query_tma_loader(d_v, q_evict_first)
+
+    @T.macro
+    def produce(KV, Idx, tok, g0, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free, bar_lo, bar_ready):
+        """The producer's gathers of one token: block 2 it + b into buffer b (g0: the steps of the tokens before it,
+        for the free barriers' parity)."""
+        for it in T.serial(n_it):
+            for b in (0, 1):  # Python-unrolled: buffer indices stay Python ints
+                fill(KV, Idx, tok, (2 * it + b) * BLOCK_N, it, n_kv, k_lat[b], k_rope[b], r0, col, row, bar_free,
+                     ((g0 + it) & 1) ^ 1, bar_lo, bar_ready, b)
 
     @T.prim_func
     def sparse_mla_pds_ws_kernel(
@@ -196,7 +249,9 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
         P: T.Tensor((n_kc, n_q, heads_real), dtype),
         HS: T.Tensor(hs_shape, acc_t),
     ):
-        with T.Kernel(n_q, hb_n, threads=3 * wg, prelude=kernel_prelude(kv_hint)) as (tok, hb):
+        # persistent: a 1-D grid of that many thread blocks (tok: the block; ``hb`` unused)
+        with T.Kernel(*((persistent, 1) if persistent else (n_q, hb_n)), threads=3 * wg,
+                      prelude=kernel_prelude(kv_hint)) as (tok, hb):
             q_lat = T.alloc_shared((HEAD_BLOCK, d_v), dtype)
             q_rope = T.alloc_shared((HEAD_BLOCK, d_rope), dtype)
             k0_lat = T.alloc_shared((BLOCK_N, d_v), dtype)
@@ -218,7 +273,10 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             hsum1 = T.alloc_fragment((BLOCK_N, ONES_N), acc_t)
             row = T.alloc_local((1,), idx_t)  # the producer's gathered kv row (block_gatherer)
 
-            bar_q = T.alloc_barrier(arrive_count=3 * wg)
+            # q loaded: by every thread, or (persistent) by the producer, token after token
+            bar_q = T.alloc_barrier(arrive_count=wg if persistent else 3 * wg)
+            # persistent: both consumers done with a token's q (their last q k^T); None otherwise
+            bar_qfree = T.alloc_barrier(arrive_count=2 * wg) if persistent else None
             bar_ready = T.alloc_barrier(arrive_count=[PRODUCER_THREADS] * 2)  # kv buffer b gathered
             bar_free = T.alloc_barrier(arrive_count=[wg] * 2)  # kv buffer b read by its consumer
             # split_ready: the first latent half of kv buffer b gathered (None without it: a macro argument bound to
@@ -228,32 +286,52 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             h0 = hb * HEAD_BLOCK
             tx = T.get_thread_binding()
             n_it = n_pairs  # the steps of this query (a Python int unless bounded)
-            if bounded:
+            if bounded and not persistent:
                 n_it = T.alloc_var(idx_t)
                 n_it = T.min(Ends[tok], n_pairs)
-            load_q(Q, tok, h0, q_lat, q_rope, bar_q)
+            # persistent and bounded: each role's [this item's steps, the steps of its items before it]
+            steps0 = T.alloc_local((2,), idx_t) if persistent and bounded else None
+            steps1 = T.alloc_local((2,), idx_t) if persistent and bounded else None
+            steps_p = T.alloc_local((2,), idx_t) if persistent and bounded else None
+            if not persistent:
+                load_q(Q, tok, h0, q_lat, q_rope, bar_q)
             for i, u in T.Parallel(HEAD_BLOCK, ONES_N):
                 ones[i, u] = T.cast(1, dtype)
-            T.barrier_arrive(bar_q)
+            if not persistent:
+                T.barrier_arrive(bar_q)
 
             k_lat, k_rope = (k0_lat, k1_lat), (k0_rope, k1_rope)
-            bars = (bar_q, bar_ready, bar_free, bar_lo)
+            bars = (bar_q, bar_ready, bar_free, bar_lo, bar_qfree)
             # one if / elif / else chain: separate ifs make TileLang put a block-wide __syncthreads between the roles
             if tx < wg:
-                consumer0(tok, h0, dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do0, s0, dp0,
-                          lse2_0, dlt0, hsum0, n_it, *bars)
+                consumer0(tok, h0, dO, Idx, Ends, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do0, s0,
+                          dp0, lse2_0, dlt0, hsum0, n_it, steps0, *bars)
             elif tx < 2 * wg:
-                consumer1(tok, h0, dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do1, s1, dp1,
-                          lse2_1, dlt1, hsum1, n_it, *bars)
+                consumer1(tok, h0, dO, Idx, Ends, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do1, s1,
+                          dp1, lse2_1, dlt1, hsum1, n_it, steps1, *bars)
             else:  # producer: block 2 it + b into buffer b
                 T.set_max_nreg(producer_regs, 0)
                 p = tx - 2 * wg
                 r0 = p // 8
                 col = (p % 8) * 8
-                for it in T.serial(n_it):
-                    for b in (0, 1):  # Python-unrolled: buffer indices stay Python ints
-                        fill(KV, Idx, tok, (2 * it + b) * BLOCK_N, it, n_kv, k_lat[b], k_rope[b], r0, col, row,
-                             bar_free, (it & 1) ^ 1, bar_lo, bar_ready, b)
+                if persistent:  # each item: its q once the consumers are done with the previous one's, then its kv
+                    if bounded:
+                        steps_p[1] = 0
+                    for k in T.serial(items(tok)):
+                        w_tok, w_h0 = item_of(tok, k)
+                        T.barrier_wait(bar_qfree, (k & 1) ^ 1)
+                        load_q(Q, w_tok, w_h0, q_lat, q_rope, bar_q)
+                        T.barrier_arrive(bar_q)
+                        if bounded:
+                            steps_p[0] = T.min(Ends[w_tok], n_pairs)
+                            produce(KV, Idx, w_tok, steps_p[1], n_kv, k_lat, k_rope, r0, col, row, steps_p[0],
+                                    bar_free, bar_lo, bar_ready)
+                            steps_p[1] = steps_p[1] + steps_p[0]
+                        else:
+                            produce(KV, Idx, w_tok, k * n_pairs, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free,
+                                    bar_lo, bar_ready)
+                else:
+                    produce(KV, Idx, tok, 0, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free, bar_lo, bar_ready)
 
     return sparse_mla_pds_ws_kernel
 
@@ -321,7 +399,8 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
     dkv = torch.zeros(n_keys, d_qk, dtype=torch.float32, device=q.device)
     hs = head_sums if head_sums is not None else torch.empty(1, 1, dtype=torch.float32, device=q.device)
     kernel = compiled_kernel(build_sparse_pds_ws, HEAD_BLOCK, d_v, d_qk - d_v, idx.shape[1], float(softmax_scale),
-                             h, topk, pass_configs=passes, head_sums=head_sums is not None, **cfg)
+                             h, topk, pass_configs=passes, head_sums=head_sums is not None,
+                             **with_sm_grid(cfg, q.device))
     for t0, n, kc, ds_mat, p_mat in plan.chunks():
         if kc > 0:
             rows = slice(t0, t0 + n)

@@ -55,11 +55,11 @@ from .tilelang_sparse_mla import FWD_CONFIG, HEAD_BLOCK, LN2, LOG2E, M_FLOOR, ch
 
 __all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_CONFIG",
            "WS_LATE_RELEASE_CONFIG", "WS32_CONFIG", "WS32_EARLY_CONFIG", "WS_L2_HINTS_CONFIG", "WS_L2_256B_CONFIG",
-           "WS_WHOLE_BLOCKS_CONFIG", "WS_ASYNC_CONFIG", "WS_PERSISTENT_CONFIG",
-           "WS_PERSISTENT_ASYNC_CONFIG", "WS_PERSISTENT_BOUNDED_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler",
-           "build_sparse_fwd_ws", "check_kv_hint", "consumer_epilogue", "consumer_prologue", "consumer_tiles",
-           "kernel_prelude", "masked_scores", "query_tma_loader", "row_exchange_buffers", "scores_product",
-           "tilelang_sparse_fwd_ws", "ws_fits"]
+           "WS_WHOLE_BLOCKS_CONFIG", "WS_ASYNC_CONFIG", "WS_PERSISTENT_CONFIG", "WS_PERSISTENT_ASYNC_CONFIG",
+           "WS_PERSISTENT_BOUNDED_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler", "build_sparse_fwd_ws",
+           "check_kv_hint", "check_persistent", "consumer_epilogue", "consumer_prologue", "consumer_tiles",
+           "kernel_prelude", "masked_scores", "persistent_schedule", "query_tma_loader", "row_exchange_buffers",
+           "scores_product", "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
 STEP = 2 * BLOCK_N  # top-k slots per step of the loop (a block per consumer; four 32-row blocks with block_n 32)
@@ -264,6 +264,28 @@ def query_tma_loader(d_v: int, q_evict_first: bool = False):
     return load
 
 
+def check_persistent(persistent) -> None:
+    """A persistent kernel's grid is a positive int (0: not persistent; the wrappers put the SM count for True)."""
+    if persistent and (not isinstance(persistent, int) or isinstance(persistent, bool) or persistent < 0):
+        raise ValueError(f"persistent must be a positive int (thread blocks), got {persistent!r}")
+
+
+def persistent_schedule(persistent: int, n_q, hb_n: int):
+    """(items, item_of) of a persistent kernel of ``persistent`` thread blocks over n_q tokens x hb_n head blocks:
+    items(bx) -- how many (token, head block) items block bx takes (bx, bx + persistent, ...); item_of(bx, k) -- the
+    (token, first head) of its k-th.  Our persistent forward and backward scores kernel share it."""
+    import tilelang.language as T
+
+    def items(bx):
+        return T.max(T.floordiv(n_q * hb_n - bx + persistent - 1, persistent), 0)
+
+    def item_of(bx, k):
+        w = bx + k * persistent
+        return w // hb_n, (w % hb_n) * HEAD_BLOCK
+
+    return items, item_of
+
+
 def consumer_prologue(consumer_regs: int, set_regs: bool = True):
     """T.macro: the start of a forward's consumer (of a token): its registers raised to consumer_regs (setmaxnreg;
     not with set_regs False -- a persistent kernel raises them once, before its loop over tokens), acc and the row
@@ -344,8 +366,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     its q at once."""
     import tilelang.language as T
 
-    if persistent and (not isinstance(persistent, int) or isinstance(persistent, bool) or persistent < 0):
-        raise ValueError(f"persistent must be a positive int (thread blocks), got {persistent!r}")
+    check_persistent(persistent)
     if async_wgmma and not early_release:
         raise ValueError("async_wgmma needs early_release (its p V order: both consumers take the even block first)")
     if block_n not in (32, BLOCK_N):
@@ -482,15 +503,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
 
         return run
 
-    def items(bx):
-        """The items (token, head block) thread block bx of a persistent kernel takes: bx, bx + persistent, ..."""
-        return T.max(T.floordiv(n_q * hb_n - bx + persistent - 1, persistent), 0)
-
-    def item_of(bx, k):
-        """(token, first head) of thread block bx's k-th item."""
-        w = bx + k * persistent
-        return w // hb_n, (w % hb_n) * HEAD_BLOCK
-
+    items, item_of = persistent_schedule(persistent, n_q, hb_n)
     consumer0, consumer1 = consumer(0), consumer(1)
     fill = buffer_filler(block_n, d_v, skip_unused, kv_hint, split_ready)
     load_q = query_tma_loader(d_v, q_evict_first)
