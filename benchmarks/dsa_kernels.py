@@ -374,8 +374,8 @@ def fwd_round_configs():
     """(row suffix, config) of our warp-specialised forward timed in interleaved rounds: the default (lockstep
     consumers, each kv block gathered in two halves), whole blocks, the L2 hints (KV_HINTS), the products as
     asynchronous wgmma (WS_ASYNC_CONFIG), persistent thread blocks (one per SM, token after token; also with async
-    wgmma, and bounded), bounded (each query stops after its last used slot: the causal padding of early tokens not computed; 10 %
-    slower in session 20; its loop bounds' cost cut in session 21) and the staggered consumers
+    wgmma, and bounded), bounded (each query stops after its last used slot: the causal padding of early tokens not
+    computed; 10 % slower in session 20; its loop bounds' cost cut in session 21) and the staggered consumers
     (tilelang_sparse_mla_staggered), last."""
     from megatron_glm5.ops import tilelang_sparse_mla_staggered as stg
     from megatron_glm5.ops import tilelang_sparse_mla_ws as ws

@@ -278,7 +278,8 @@ def test_persistent_scores_kernel_loads_the_next_q_once_both_consumers_are_done_
     assert "__syncthreads();" in prologue[prologue.index("ones)["):]  # the ones written before any role reads them
     *consumers, producer = role_sources(src)
     for part, steps in ((consumers[0], "steps0"), (consumers[1], "steps1"), (producer, "steps_p")):
-        k = re.search(r"for \(int (k\w*) = 0; \1 < \(\(\(\(n_q \+ 131\) - \(\(int\)blockIdx\.x\)\) / 132\)", part).group(1)
+        loop = r"for \(int (k\w*) = 0; \1 < \(\(\(\(n_q \+ 131\) - \(\(int\)blockIdx\.x\)\) / 132\)"
+        k = re.search(loop, part).group(1)
         assert f"{steps}[1] = ({steps}[1] + {steps}[0]);" in part
         assert re.search(rf"{steps}\[0\] = min\(Ends\[\(\(\(\(int64_t\){k}\) \* \(int64_t\)132\) \+", part)
     k = re.search(r"for \(int (k\w*) = 0", producer).group(1)

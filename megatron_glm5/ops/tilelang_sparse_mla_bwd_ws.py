@@ -56,8 +56,8 @@ from . import triton_sparse_mla as tsm
 from .base import pad_topk, warn_once
 from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, bounded_steps, check_tiles, compiled_kernel,
                                   pop_pass_configs, tilelang_unsupported_reason, with_sm_grid)
-from .tilelang_sparse_mla_ws import (LAUNCH_REGS, PRODUCER_THREADS, buffer_filler, check_persistent, kernel_prelude,
-                                     persistent_schedule, query_tma_loader, scores_product)
+from .tilelang_sparse_mla_ws import (LAUNCH_REGS, PRODUCER_THREADS, buffer_filler, check_persistent, item_loop,
+                                     kernel_prelude, producer_token, query_tma_loader, scores_product)
 
 __all__ = ["PDS_WS_CONFIG", "build_sparse_pds_ws", "pds_ws_unsupported_reason", "tilelang_sparse_bwd_dense"]
 
@@ -121,7 +121,6 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     hs_shape = (n_q, topk_real) if head_sums else (1, 1)  # without head sums: a 1 x 1 placeholder
 
     qk = scores_product(d_v, split_ready, async_wgmma, wait=False)
-    items, item_of = persistent_schedule(persistent, n_q, hb_n)
 
     def consumer(c: int):
         """T.macro: consumer warpgroup c's part (block 2 it + c of each step, in kv buffer c); do_f .. hsum: its
@@ -199,27 +198,18 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                         if (2 * (n_it + it2) + c) * BLOCK_N + j < topk_real:
                             HS[tok, (2 * (n_it + it2) + c) * BLOCK_N + j] = T.cast(0, acc_t)
 
+        tokens = item_loop(persistent, bounded, n_pairs, n_q, hb_n, token)
+
         @T.macro
         def run(tok, h0, dO, Idx, Ends, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do_f, s, dp, lse2,
                 dlt, hsum, n_it, steps, bar_q, bar_ready, bar_free, bar_lo, bar_qfree):
             """The consumer's whole part: the token and first head of this thread block, or with persistent (tok:
             the thread block, h0 unused) those of each item it takes in turn (persistent and bounded: ``steps`` its
             own [this item's steps, the steps of its items before it])."""
-            tiles = (dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones, do_f, s, dp, lse2, dlt, hsum)
-            bars = (bar_q, bar_ready, bar_free, bar_lo, bar_qfree)
             T.set_max_nreg(consumer_regs, 1)
-            if persistent and bounded:
-                steps[1] = 0
-                for k in T.serial(items(tok)):
-                    w_tok, w_h0 = item_of(tok, k)
-                    steps[0] = T.min(Ends[w_tok], n_pairs)
-                    token(w_tok, w_h0, *tiles, steps[0], steps[1], k & 1, *bars)
-                    steps[1] = steps[1] + steps[0]
-            elif persistent:
-                for k in T.serial(items(tok)):
-                    token(*item_of(tok, k), *tiles, n_pairs, k * n_pairs, k & 1, *bars)
-            else:
-                token(tok, h0, *tiles, n_it, 0, 0, *bars)
+            tokens(tok, h0, Ends, n_it, steps, (dO, Idx, Lse, Delta, DS, P, HS, q_lat, q_rope, k_lat, k_rope, ones,
+                                                do_f, s, dp, lse2, dlt, hsum), (bar_q, bar_ready, bar_free, bar_lo,
+                                                                                bar_qfree))
 
         return run
 
@@ -235,6 +225,8 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             for b in (0, 1):  # Python-unrolled: buffer indices stay Python ints
                 fill(KV, Idx, tok, (2 * it + b) * BLOCK_N, it, n_kv, k_lat[b], k_rope[b], r0, col, row, bar_free,
                      ((g0 + it) & 1) ^ 1, bar_lo, bar_ready, b)
+
+    producer_tokens = item_loop(persistent, bounded, n_pairs, n_q, hb_n, producer_token(persistent, load_q, produce))
 
     @T.prim_func
     def sparse_mla_pds_ws_kernel(
@@ -314,24 +306,9 @@ def build_sparse_pds_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 p = tx - 2 * wg
                 r0 = p // 8
                 col = (p % 8) * 8
-                if persistent:  # each item: its q once the consumers are done with the previous one's, then its kv
-                    if bounded:
-                        steps_p[1] = 0
-                    for k in T.serial(items(tok)):
-                        w_tok, w_h0 = item_of(tok, k)
-                        T.barrier_wait(bar_qfree, (k & 1) ^ 1)
-                        load_q(Q, w_tok, w_h0, q_lat, q_rope, bar_q)
-                        T.barrier_arrive(bar_q)
-                        if bounded:
-                            steps_p[0] = T.min(Ends[w_tok], n_pairs)
-                            produce(KV, Idx, w_tok, steps_p[1], n_kv, k_lat, k_rope, r0, col, row, steps_p[0],
-                                    bar_free, bar_lo, bar_ready)
-                            steps_p[1] = steps_p[1] + steps_p[0]
-                        else:
-                            produce(KV, Idx, w_tok, k * n_pairs, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free,
-                                    bar_lo, bar_ready)
-                else:
-                    produce(KV, Idx, tok, 0, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free, bar_lo, bar_ready)
+                producer_tokens(tok, h0, Ends, n_it, steps_p,
+                                (Q, KV, Idx, n_kv, q_lat, q_rope, k_lat, k_rope, r0, col, row),
+                                (bar_q, bar_qfree, bar_free, bar_lo, bar_ready))
 
     return sparse_mla_pds_ws_kernel
 

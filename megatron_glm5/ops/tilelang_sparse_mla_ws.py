@@ -58,8 +58,8 @@ __all__ = ["WS_CONFIG", "WS_BOUNDED_CONFIG", "WS_EXACT_CONFIG", "WS_GATHER_ALL_C
            "WS_WHOLE_BLOCKS_CONFIG", "WS_ASYNC_CONFIG", "WS_PERSISTENT_CONFIG", "WS_PERSISTENT_ASYNC_CONFIG",
            "WS_PERSISTENT_BOUNDED_CONFIG", "KV_HINTS", "block_gatherer", "buffer_filler", "build_sparse_fwd_ws",
            "check_kv_hint", "check_persistent", "consumer_epilogue", "consumer_prologue", "consumer_tiles",
-           "kernel_prelude", "masked_scores", "persistent_schedule", "query_tma_loader", "row_exchange_buffers",
-           "scores_product", "tilelang_sparse_fwd_ws", "ws_fits"]
+           "item_loop", "kernel_prelude", "masked_scores", "producer_token", "query_tma_loader",
+           "row_exchange_buffers", "scores_product", "tilelang_sparse_fwd_ws", "ws_fits"]
 
 BLOCK_N = 64  # kv rows per block (= HEAD_BLOCK = d_rope: the p tile is stored in the block's rope buffer)
 STEP = 2 * BLOCK_N  # top-k slots per step of the loop (a block per consumer; four 32-row blocks with block_n 32)
@@ -270,10 +270,13 @@ def check_persistent(persistent) -> None:
         raise ValueError(f"persistent must be a positive int (thread blocks), got {persistent!r}")
 
 
-def persistent_schedule(persistent: int, n_q, hb_n: int):
-    """(items, item_of) of a persistent kernel of ``persistent`` thread blocks over n_q tokens x hb_n head blocks:
-    items(bx) -- how many (token, head block) items block bx takes (bx, bx + persistent, ...); item_of(bx, k) -- the
-    (token, first head) of its k-th.  Our persistent forward and backward scores kernel share it."""
+def item_loop(persistent: int, bounded: bool, n_steps: int, n_q, hb_n: int, token):
+    """T.macro: one role's tokens.  ``token``: a T.macro taking (tok, h0, *tiles, n_it, g0, k_ph, *bars) -- one
+    token's part, n_it its steps, g0 the steps of this role's tokens before it (the kv barriers' parities), k_ph its
+    token count mod 2.  Not persistent: the thread block's own token (n_it from the caller).  Persistent: the items
+    (token, head block) bx, bx + persistent, ... of thread block ``tok`` (= bx) over n_q tokens x hb_n head blocks,
+    each of n_steps steps, or (bounded) of min(Ends[token], n_steps) summed in ``steps`` ([this item's, the ones'
+    before it]: a local int32[2] of the role's own).  Our persistent forward and backward scores kernel share it."""
     import tilelang.language as T
 
     def items(bx):
@@ -283,7 +286,41 @@ def persistent_schedule(persistent: int, n_q, hb_n: int):
         w = bx + k * persistent
         return w // hb_n, (w % hb_n) * HEAD_BLOCK
 
-    return items, item_of
+    @T.macro
+    def run(tok, h0, Ends, n_it, steps, tiles, bars):
+        if persistent and bounded:
+            steps[1] = 0
+            for k in T.serial(items(tok)):
+                w_tok, w_h0 = item_of(tok, k)
+                steps[0] = T.min(Ends[w_tok], n_steps)
+                token(w_tok, w_h0, *tiles, steps[0], steps[1], k & 1, *bars)
+                steps[1] = steps[1] + steps[0]
+        elif persistent:
+            for k in T.serial(items(tok)):
+                token(*item_of(tok, k), *tiles, n_steps, k * n_steps, k & 1, *bars)
+        else:
+            token(tok, h0, *tiles, n_it, 0, 0, *bars)
+
+    return run
+
+
+def producer_token(persistent: int, load_q, produce):
+    """T.macro in ``item_loop``'s token form: the producer's part of one token -- persistent: first its q, once both
+    consumers are done with the previous token's (bar_qfree, parity k_ph ^ 1; a fresh barrier passes at once), by TMA
+    into bar_q -- then its kv blocks (``produce(KV, Idx, tok, g0, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free,
+    bar_lo, bar_ready)``, the kernel's own gather loop)."""
+    import tilelang.language as T
+
+    @T.macro
+    def run(tok, h0, Q, KV, Idx, n_kv, q_lat, q_rope, k_lat, k_rope, r0, col, row, n_it, g0, k_ph, bar_q, bar_qfree,
+            bar_free, bar_lo, bar_ready):
+        if persistent:
+            T.barrier_wait(bar_qfree, k_ph ^ 1)
+            load_q(Q, tok, h0, q_lat, q_rope, bar_q)
+            T.barrier_arrive(bar_q)
+        produce(KV, Idx, tok, g0, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free, bar_lo, bar_ready)
+
+    return run
 
 
 def consumer_prologue(consumer_regs: int, set_regs: bool = True):
@@ -476,6 +513,8 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                     T.barrier_arrive(bar_qfree)
             end(tok, h0, Out, Lse, l_sh, acc, m_run, l_run, lse_f, bar_l, k_ph)
 
+        tokens = item_loop(persistent, bounded, n_outer, n_q, hb_n, token)
+
         @T.macro
         def run(tok, h0, Idx, Ends, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new,
                 alpha, l_run, l_blk, lse_f, n_it, steps, bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l,
@@ -483,27 +522,14 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
             """The consumer's whole part: the token and first head of this thread block, or with persistent (tok:
             the thread block, h0 unused) those of each item it takes in turn (persistent and bounded: ``steps`` its
             own [this item's steps, the steps of its items before it])."""
-            tiles = (Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc, m_run, m_new, alpha, l_run,
-                     l_blk, lse_f)
-            bars = (bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo, bar_qfree)
-            if persistent:
+            if persistent:  # raised once, before the loop over tokens (else in each token's prologue)
                 T.set_max_nreg(consumer_regs, 1)
-                if bounded:
-                    steps[1] = 0
-                    for k in T.serial(items(tok)):
-                        w_tok, w_h0 = item_of(tok, k)
-                        steps[0] = T.min(Ends[w_tok], n_outer)
-                        token(w_tok, w_h0, *tiles, steps[0], steps[1], k & 1, *bars)
-                        steps[1] = steps[1] + steps[0]
-                else:
-                    for k in T.serial(items(tok)):
-                        token(*item_of(tok, k), *tiles, n_outer, k * n_outer, k & 1, *bars)
-            else:
-                token(tok, h0, *tiles, n_it, 0, 0, *bars)
+            tokens(tok, h0, Ends, n_it, steps, (Idx, Out, Lse, q_lat, q_rope, k_lat, k_rope, p_of, m_sh, l_sh, s, acc,
+                                                m_run, m_new, alpha, l_run, l_blk, lse_f),
+                   (bar_q, bar_ready, bar_free, bar_m0, bar_m1, bar_p, bar_l, bar_lo, bar_qfree))
 
         return run
 
-    items, item_of = persistent_schedule(persistent, n_q, hb_n)
     consumer0, consumer1 = consumer(0), consumer(1)
     fill = buffer_filler(block_n, d_v, skip_unused, kv_hint, split_ready)
     load_q = query_tma_loader(d_v, q_evict_first)
@@ -519,6 +545,8 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                     buf = 2 * st + b
                     fill(KV, Idx, tok, (2 * (it0 * sets + st) + b) * block_n, it0, n_kv, k_lat[buf], k_rope[buf], r0,
                          col, row, bar_free, ((g0 + it0) & 1) ^ 1, bar_lo, bar_ready, buf)
+
+    producer_tokens = item_loop(persistent, bounded, n_outer, n_q, hb_n, producer_token(persistent, load_q, produce))
 
     @T.prim_func
     def sparse_mla_fwd_ws_kernel(
@@ -600,24 +628,9 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
                 p = tx - 2 * wg
                 r0 = p // 8
                 col = (p % 8) * 8
-                if persistent:  # each item: its q once the consumers are done with the previous one's, then its kv
-                    if bounded:
-                        steps_p[1] = 0
-                    for k in T.serial(items(tok)):
-                        w_tok, w_h0 = item_of(tok, k)
-                        T.barrier_wait(bar_qfree, (k & 1) ^ 1)
-                        load_q(Q, w_tok, w_h0, q_lat, q_rope, bar_q)
-                        T.barrier_arrive(bar_q)
-                        if bounded:
-                            steps_p[0] = T.min(Ends[w_tok], n_outer)
-                            produce(KV, Idx, w_tok, steps_p[1], n_kv, k_lat, k_rope, r0, col, row, steps_p[0],
-                                    bar_free, bar_lo, bar_ready)
-                            steps_p[1] = steps_p[1] + steps_p[0]
-                        else:
-                            produce(KV, Idx, w_tok, k * n_outer, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free,
-                                    bar_lo, bar_ready)
-                else:
-                    produce(KV, Idx, tok, 0, n_kv, k_lat, k_rope, r0, col, row, n_it, bar_free, bar_lo, bar_ready)
+                producer_tokens(tok, h0, Ends, n_it, steps_p,
+                                (Q, KV, Idx, n_kv, q_lat, q_rope, k_lat, k_rope, r0, col, row),
+                                (bar_q, bar_qfree, bar_free, bar_lo, bar_ready))
 
     return sparse_mla_fwd_ws_kernel
 
