@@ -419,7 +419,9 @@ def test_gpu_dense_backward_zero_ahead_is_bitwise_the_same():
 
 @gpu
 @needs_gpu_tilelang
-def test_gpu_dense_backward_padded_heads_rows_without_keys_and_lse_gradient():
+@pytest.mark.parametrize("config", [None, dict(persistent=7)], ids=["default", "persistent"])
+def test_gpu_dense_backward_padded_heads_rows_without_keys_and_lse_gradient(config):
+    """Padded heads, rows without keys (persistent: tokens without a step, whose q is freed at once) and d_lse."""
     empty = (0, 7, 299)
     q, kv, idx = (t.cuda() for t in _inputs(300, 500, 16, 200, seed=7, empty_rows=empty))
     _remember_bounds(idx)
@@ -430,7 +432,7 @@ def test_gpu_dense_backward_padded_heads_rows_without_keys_and_lse_gradient():
     dq = torch.full_like(q, float("nan"))
     hs = torch.full(idx.shape, float("nan"), device="cuda")
     got_dq, got_dkv = tlbws.tilelang_sparse_bwd_dense(q, kv, idx, out, lse, d_out, d_lse, 0.04, DV, dq=dq,
-                                                      head_sums=hs)
+                                                      head_sums=hs, config=config)
     assert not got_dq.isnan().any() and not got_dkv.isnan().any() and not hs.isnan().any()
     assert (got_dq[list(empty)] == 0).all() and (hs[list(empty)] == 0).all()
     assert rel_l2(got_dq, want_dq) <= 1e-2 and rel_l2(got_dkv, want_dkv) <= 1e-2, (
