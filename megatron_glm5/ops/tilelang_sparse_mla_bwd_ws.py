@@ -38,8 +38,8 @@ Persistent thread blocks (``persistent``, opt-in, session 21, not yet run on a G
 (``tilelang_sparse_mla_ws.build_sparse_fwd_ws``) -- the producer loads the next token's q once both consumers are
 done with the current one and gathers its first blocks while they finish; each consumer loads the next token's dO,
 lse and Delta when done with its own part; each role sums its tokens' steps (read from Ends) for the barriers'
-parities.  ptxas (CUDA 13.0, TileLang's flags): 92 bytes spilled against the default's 12 (the loop state over
-tokens, in registers the consumers' dO already fills).
+parities.  ptxas (CUDA 13.0, TileLang's flags): 92 bytes spilled against the default's 12 -- in the SASS 29 of the 40
+local loads / stores are the producer's (its 24 registers now also hold the loop over tokens), 5 each consumer's.
 
 Shared memory: q 72 KB + two kv buffers of 72 KB; registers: dO 128 per consumer thread + the two fp32 64 x 64
 tiles.  Needs heads % 64 == 0 (the wrapper pads; padded heads get lse -inf and write nothing), d_rope == 64, d_v
