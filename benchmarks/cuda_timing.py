@@ -2,7 +2,8 @@
 
 ``median_ms``: the median milliseconds of ``fn()`` over ``reps`` runs after ``warmup`` runs, ``refill()`` (fresh
 random inputs) before each run and outside the timed region, each run started on an idle GPU -- so the time includes
-whatever the GPU waits for the host to issue (the figure every benchmark row reports).
+whatever the GPU waits for the host to issue (the figure every benchmark row reports); ``idle_ms``: the same with
+the host's issue time.
 
 ``queued_ms``: the same runs with the host ahead of the GPU, as in a training step whose earlier work is still
 running: each run is issued while the GPU is still busy with ``busy()`` (work queued just before it), and the events
@@ -45,8 +46,15 @@ def _runs(fn: Callable[[], object], reps: int, warmup: int, refill: Optional[Cal
     return times, hosts, late
 
 
-def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3, refill: Optional[Callable[[], None]] = None) -> float:
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3,
+              refill: Optional[Callable[[], None]] = None) -> float:
     return statistics.median(_runs(fn, reps, warmup, refill)[0])
+
+
+def idle_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> Tuple[float, float]:
+    """median_ms's runs (each from an idle GPU) with the host's part: (median GPU ms, median host issue ms)."""
+    times, hosts, _ = _runs(fn, reps, warmup, None)
+    return statistics.median(times), statistics.median(hosts)
 
 
 def queued_ms(fn: Callable[[], object], busy: Callable[[], object], reps: int, warmup: int = 3,

@@ -29,7 +29,7 @@ from statistics import median  # the rounds' median (interleaved_ms), the profil
 
 import torch
 
-from cuda_timing import median_ms, queued_ms  # benchmarks/, the script's folder
+from cuda_timing import idle_ms, median_ms, queued_ms  # benchmarks/, the script's folder
 
 H, DQK, DV, TOPK, HI, DI = 64, 576, 512, 2048, 32, 128
 # the ceiling the TFLOP/s rows are compared with: a bf16 8192^3 torch.matmul measured on the H200
@@ -319,20 +319,10 @@ def profile_dense_bwd(seq, log, config=None, host_top=0):
     for name, ms in sorted(per.items(), key=lambda kv: -kv[1])[:12]:
         log(f"  {ms:8.3f}  {name[:110]}")
     log(f"  {sum(per.values()):8.3f}  total")
-    wall, host = [], []
-    for _ in range(5):  # the GPU idle wherever the host has not issued the next kernel yet (the wall minus the total)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        h0 = time.perf_counter()
-        run()
-        host.append((time.perf_counter() - h0) * 1e3)
-        end.record()
-        end.synchronize()
-        wall.append(start.elapsed_time(end))
-    log(f"  {median(wall):8.3f}  wall (CUDA events, median of 5); the host took "
-        f"{median(host):.3f} ms to issue it")
-    busy = _busy_gpu(2 * median(host) + 5.0)
+    # the GPU idle wherever the host has not issued the next kernel yet (the wall minus the total)
+    wall, host = idle_ms(run, 5, warmup=0)
+    log(f"  {wall:8.3f}  wall (CUDA events, median of 5); the host took {host:.3f} ms to issue it")
+    busy = _busy_gpu(2 * host + 5.0)
     gpu, issue, late = queued_ms(run, busy, 5, warmup=1)
     log(f"  {gpu:8.3f}  wall with the host ahead (issued behind {busy.ms:.1f} ms of queued matmuls, median of 5; the "
         f"host took {issue:.3f} ms){f'; {late} of 5 runs not queued' if late else ''}")

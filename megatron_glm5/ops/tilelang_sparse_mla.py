@@ -129,14 +129,6 @@ def with_sm_grid(cfg: dict, device) -> dict:
     return cfg
 
 
-def bounded_steps(indices: torch.Tensor, n_keys: int, step: int) -> torch.Tensor:
-    """Per query, the number of ``step``-slot steps up to its last used slot (int32 [T], on the device): the loop
-    bound of our bounded warp-specialised kernels (the -1 padding of a causal top-k list is at its end)."""
-    from .triton_sparse_mla import used_slot_ends
-
-    return used_slot_ends(indices, n_keys, step)
-
-
 def check_tiles(heads: int, topk: int, block_n: int) -> None:
     """The kernels tile heads by HEAD_BLOCK and the top-k slots by block_n (the wrappers pad both)."""
     if heads % HEAD_BLOCK or topk % block_n:
@@ -290,7 +282,9 @@ def tilelang_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor
     if n_q > 0:
         args = (q_k, kv.contiguous(), idx)
         if getattr(cfg.get("builder"), "takes_ends", False):  # the warp-specialised kernel: its loop bounds
-            args += (bounded_steps(indices, kv.shape[0], topk_multiple) if cfg.get("bounded") else
+            from .triton_sparse_mla import used_slot_ends  # each query's steps up to its last used slot
+
+            args += (used_slot_ends(indices, kv.shape[0], topk_multiple) if cfg.get("bounded") else
                      torch.zeros(1, dtype=torch.int32, device=q.device),)
         cfg = with_sm_grid(cfg, q.device)
         kernel = _compiled(h_pad, d_v, d_rope, idx.shape[1], softmax_scale, cfg)

@@ -54,8 +54,8 @@ import torch
 from . import host_windows
 from . import triton_sparse_mla as tsm
 from .base import pad_topk, warn_once
-from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, bounded_steps, check_tiles, compiled_kernel,
-                                  pop_pass_configs, tilelang_unsupported_reason, with_sm_grid)
+from .tilelang_sparse_mla import (HEAD_BLOCK, LOG2E, check_tiles, compiled_kernel, pop_pass_configs,
+                                  tilelang_unsupported_reason, with_sm_grid)
 from .tilelang_sparse_mla_ws import (LAUNCH_REGS, PRODUCER_THREADS, buffer_filler, check_persistent, item_loop,
                                      kernel_prelude, producer_token, query_tma_loader, scores_product)
 
@@ -371,7 +371,7 @@ def tilelang_sparse_bwd_dense(q, kv, indices, out, lse, d_out, d_lse, softmax_sc
     q_k, do_k = _pad_heads(q, pad), _pad_heads(d_out, pad)
     lse_k, delta_k = _pad_heads(lse.float(), pad, float("-inf")), _pad_heads(delta, pad)
     idx = pad_topk(indices, PAIR).to(torch.int32).contiguous()
-    ends = bounded_steps(indices, n_keys, PAIR)
+    ends = tsm.used_slot_ends(indices, n_keys, PAIR)  # each query's steps up to its last used slot
     dq = torch.empty_like(q) if dq is None else dq
     dkv = torch.zeros(n_keys, d_qk, dtype=torch.float32, device=q.device)
     hs = head_sums if head_sums is not None else torch.empty(1, 1, dtype=torch.float32, device=q.device)

@@ -385,7 +385,7 @@ def build_sparse_fwd_ws(heads: int, d_v: int, d_rope: int, topk: int, softmax_sc
     buffers in the same order (even block first) and free each right after its last use (p published with an
     explicit async-proxy fence), so the producer can refill the even buffer during the odd block's p V.
     bounded: the kernel takes Ends int32 [n_q] after Idx, each query's count of 128-slot steps up to its last
-    used slot (``tilelang_sparse_mla.bounded_steps``), and stops there (the causal padding of early tokens is not
+    used slot (``triton_sparse_mla.used_slot_ends``), and stops there (the causal padding of early tokens is not
     computed).  kv_hint: the L2 policy of the kv gathers (``KV_HINTS``); q_evict_first: q's TMA loads (each q read
     once) carry an L2 evict-first hint.  split_ready: the producer gathers each block in two halves (the first half
     of the latent columns, then the rest with the rope part), each completing its own "ready" barrier, and the

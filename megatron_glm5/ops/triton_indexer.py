@@ -21,7 +21,6 @@ indexer KL's softmax normaliser, which the KL kernel would otherwise find in a p
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -108,7 +107,7 @@ def decoded_scores(best: torch.Tensor) -> torch.Tensor:
 def _selected_lse(best: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
     """fp32 [rows]: the LSE of each row's first n_valid sorted scores (-inf without any)."""
     rows, k = best.shape
-    if best.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_interpret_compat.runs_kernels(best):
         lse = torch.empty(rows, dtype=torch.float32, device=best.device)
         if rows:
             _selected_lse_kernel[(rows,)](best, n_valid, lse, best.stride(0), k,

@@ -12,6 +12,12 @@ import os
 _applied = False
 
 
+def runs_kernels(t) -> bool:
+    """Whether a Triton kernel runs on tensor ``t``: a CUDA tensor, or any under the interpreter (TRITON_INTERPRET=1);
+    elsewhere the callers take their torch form."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def apply() -> None:
     global _applied
     if _applied or os.environ.get("TRITON_INTERPRET", "0") != "1":

@@ -29,7 +29,6 @@ quantization, probs merged in unpermute) fall back to megatron's unfused functio
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -263,7 +262,7 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused=False, d
     (``fused`` is ignored: megatron's means Transformer Engine)."""
     from megatron.core.transformer.moe import moe_utils
 
-    if drop_and_pad or align_size or not (tokens.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if drop_and_pad or align_size or not triton_interpret_compat.runs_kernels(tokens):
         return moe_utils.permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
                                  drop_and_pad=drop_and_pad, tokens_per_expert=tokens_per_expert,
                                  align_size=align_size)

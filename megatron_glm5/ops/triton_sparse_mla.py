@@ -63,7 +63,6 @@ Dense mode (indices None) is not a Triton kernel: the backend falls back to the 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -566,12 +565,12 @@ def used_slot_ends(indices: torch.Tensor, n_keys: int, step: int = 1) -> torch.T
     """int32 [T]: one past each query's last used top-k slot (0 for a query without keys), in units of ``step``
     slots rounded up (step 1: slots).  On a GPU (or under Triton's interpreter) one kernel that reads the list once
     (_slot_ends_kernel: 4 bytes per slot), where the torch form below moves about 19 bytes per slot in eight kernels
-    -- at S 32768 and top-k 2048 about 1.3 GB per call, and the TileLang backward, the bounded forward and the
-    indexer KL's padding skip each call it per layer."""
+    (counted, not timed) -- at S 32768 and top-k 2048 about 1.3 GB per call, and the TileLang backward, the bounded
+    forward and the indexer KL's padding skip each call it per layer."""
     if indices.dim() != 2 or step < 1:
         raise ValueError(f"used_slot_ends: indices [T, topk] and step >= 1, got {tuple(indices.shape)} / {step}")
     n_q, k = indices.shape
-    if indices.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_interpret_compat.runs_kernels(indices):
         out = torch.empty(n_q, dtype=torch.int32, device=indices.device)
         if n_q:
             idx = indices if indices.stride(1) == 1 else indices.contiguous()
@@ -878,7 +877,7 @@ def dense_plan(q, kv, indices, deterministic: Optional[bool] = None, config: Opt
     zeros = cfg.get("ZEROS", "memset")
     if zeros not in ("memset", "restore", "complement", "auto"):
         raise ValueError(f"triton sparse_mla_bwd: unknown ZEROS {zeros!r} (memset, restore, complement, auto)")
-    runs_kernels = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"  # restore / complement: Triton kernels
+    runs_kernels = triton_interpret_compat.runs_kernels(q)  # restore / complement: Triton kernels
     if zeros == "auto":
         zeros = "restore" if runs_kernels and auto_restores(n_keys, topk) else "memset"
     elif zeros in ("restore", "complement") and not runs_kernels:
